@@ -1,0 +1,74 @@
+"""The ``hkv`` command: ``hkv plan`` (more subcommands come with the allocator and engine)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hkv_jax.models import layers_from_hf_config, resolve_model
+from hkv_jax.models.hf_config import text_config
+from hkv_jax.planner import DEFAULT_POLICY, POLICIES
+from hkv_jax.report import compare_policies, parse_bytes, plan_json, render_table
+
+DEFAULT_MEMORY = "80GiB"
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.memory is not None and args.num_blocks is not None:
+        raise CliError("give --memory or --num-blocks, not both")
+    name, config = resolve_model(args.model)
+    layers = layers_from_hf_config(config, dtype=args.dtype)
+    memory = None if args.num_blocks is not None else parse_bytes(args.memory or DEFAULT_MEMORY)
+    max_len = args.max_model_len or text_config(config).get("max_position_embeddings") or 8192
+    if max_len <= 0:
+        raise CliError("--max-model-len must be positive")
+    others = compare_policies(layers, block_size=args.block_size, memory_bytes=memory, num_blocks=args.num_blocks)
+    chosen = others[args.policy]
+    if args.json:
+        print(json.dumps(plan_json(name, layers, chosen, others, max_len), indent=1))
+    else:
+        print(render_table(name, layers, chosen, others, max_len))
+    if args.plot:
+        from hkv_jax.plot import plot_plan
+
+        plot_plan(args.plot, name, chosen, others, max_len)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``hkv``."""
+    parser = argparse.ArgumentParser(prog="hkv", description="Hybrid KV cache manager for JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="plan the KV cache of a model: groups, page size, capacity")
+    p.add_argument("model", help="preset name (e.g. gemma-3-27b) or path to a Hugging Face config.json")
+    p.add_argument("--memory", help=f"KV cache memory budget, e.g. 80GiB (default {DEFAULT_MEMORY})")
+    p.add_argument("--num-blocks", type=int, help="pool size in blocks, null block included (instead of --memory)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY, help=f"grouping policy (default {DEFAULT_POLICY})")
+    p.add_argument("--max-model-len", type=int, help="request length for the concurrency figure (default: the config's max_position_embeddings)")
+    p.add_argument("--dtype", help="KV cache dtype (default: the model's, float32 served as bfloat16)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw the memory layout and capacity chart")
+    p.set_defaults(func=_cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``hkv`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (CliError, ValueError, OSError) as e:
+        print(f"hkv {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Human-readable and JSON reports of a plan (what ``hkv plan`` prints)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from hkv_jax.planner import POLICIES, KVCacheConfig, plan
+from hkv_jax.spec import KVSharingSpec, LayerSpec
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse ``"80GiB"``, ``"1.5TB"``, ``"4096"`` into bytes."""
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if unit not in _UNITS or not num:
+        raise ValueError(f"cannot read {text!r} as a memory size (examples: 80GiB, 512MiB, 1e9)")
+    try:
+        value = float(num) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a memory size (examples: 80GiB, 512MiB, 1e9)") from None
+    if value <= 0:
+        raise ValueError(f"memory must be positive, got {text!r}")
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units, e.g. ``80.0 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def layer_summary(layers: tuple[LayerSpec, ...]) -> str:
+    """``62 layers: 52 sliding_window, 10 full``."""
+    kinds = Counter(l.kind for l in layers)
+    parts = ", ".join(f"{n} {k}" for k, n in kinds.items())
+    return f"{len(layers)} layers: {parts}"
+
+
+def _names(names: tuple[str, ...], limit: int = 4) -> str:
+    short = [n.removeprefix("model.layers.") for n in names]
+    return ",".join(short[:limit]) + (f",… (+{len(short) - limit})" if len(short) > limit else "")
+
+
+def compare_policies(layers, *, block_size: int, memory_bytes: int | None, num_blocks: int | None) -> dict[str, KVCacheConfig]:
+    """The plan of ``layers`` under every policy, same budget."""
+    return {p: plan(layers, block_size=block_size, policy=p, memory_bytes=memory_bytes, num_blocks=num_blocks)
+            for p in POLICIES}
+
+
+def render_table(model: str, layers, chosen: KVCacheConfig, others: dict[str, KVCacheConfig], max_model_len: int) -> str:
+    """The text report: the chosen plan's groups, then every policy side by side."""
+    c = chosen
+    out = [
+        f"{model}  ({layer_summary(layers)})",
+        f"policy {c.policy}: {len(c.groups)} KV cache groups x {c.group_size} layer slots, "
+        f"page {format_bytes(c.page_size_bytes)}, block {format_bytes(c.bytes_per_block)}, "
+        f"{c.num_blocks} blocks (null block included) = {format_bytes(c.total_bytes)}",
+        "",
+        f"{'group':>5}  {'type':<15} {'layers':>6} {'block':>6} {'span':>4} {'pad':>4} {'pad %':>6}  layers",
+    ]
+    rows: list[tuple[list[int], str]] = []
+    for g in c.groups:
+        # Consecutive groups that differ only in their layers share one row.
+        key = (f"{g.spec.kind:<15} {len(g.layer_names):>6} {g.block_size:>6} {g.blocks_per_state:>4} "
+               f"{c.group_padding_layers(g):>4} {100 * c.group_padding_fraction(g):>5.1f}%")
+        if rows and rows[-1][1] == key and not g.shared_layer_names:
+            rows[-1][0].append(g.group_id)
+        else:
+            rows.append(([g.group_id], key))
+    for ids, key in rows:
+        g = c.groups[ids[0]]
+        label = str(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}"
+        extra = f" +shared {_names(g.shared_layer_names)}" if g.shared_layer_names else ""
+        more = f" (+{len(ids) - 1} groups like it)" if len(ids) > 1 else ""
+        out.append(f"{label:>5}  {key}  {_names(g.layer_names)}{extra}{more}")
+    out += [
+        "",
+        f"policies compared (same memory; max concurrent requests at max-model-len {max_model_len}):",
+        f"{'policy':<10} {'groups':>6} {'block':>6} {'pad layers':>10} {'pad %':>6} {'blocks':>10} "
+        f"{'capacity tok':>13} {'blocks/req':>10} {'max conc':>9}",
+    ]
+    for name, p in others.items():
+        mark = " <" if name == c.policy else ""
+        out.append(
+            f"{name:<10} {len(p.groups):>6} {p.block_size:>6} {p.padding_layers:>10} {100 * p.padding_fraction:>5.1f}% "
+            f"{p.num_blocks:>10} {p.capacity_tokens:>13} {p.blocks_per_request(max_model_len):>10} "
+            f"{p.max_concurrent_requests(max_model_len):>9}{mark}"
+        )
+    out.append("(capacity tok: vLLM's figure, usable blocks / groups x block size; span: blocks per Mamba state)")
+    return "\n".join(out)
+
+
+def plan_json(model: str, layers, chosen: KVCacheConfig, others: dict[str, KVCacheConfig], max_model_len: int) -> dict[str, Any]:
+    """The JSON report: the chosen plan in full and a summary of every policy."""
+    return {
+        "model": model,
+        "num_layers": len(layers),
+        "layer_kinds": dict(Counter(l.kind for l in layers)),
+        "kv_sharing_layers": sum(isinstance(l, KVSharingSpec) for l in layers),
+        "plan": chosen.to_dict(max_model_len),
+        "compare": {
+            name: {k: v for k, v in p.to_dict(max_model_len).items() if k not in ("groups", "tensors", "kv_sharing")}
+            for name, p in others.items()
+        },
+    }

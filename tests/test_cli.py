@@ -1,0 +1,53 @@
+import json
+
+import pytest
+
+from hkv_jax.cli import main
+
+
+def test_plan_table(capsys):
+    assert main(["plan", "gemma-3-27b", "--memory", "80GiB", "--policy", "vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "policy vllm: 7 KV cache groups x 10 layer slots" in out
+    assert "min-waste" in out and "naive" in out
+
+
+def test_plan_json(capsys):
+    assert main(["plan", "gpt-oss-20b", "--memory", "8GiB", "--json", "--max-model-len", "4096"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["plan"]["total_bytes"] <= 8 * 2**30 and d["plan"]["num_groups"] == 2
+    assert set(d["compare"]) == {"vllm", "min-waste", "naive"}
+    assert d["compare"]["naive"]["max_concurrent_requests"] < d["plan"]["max_concurrent_requests"]
+
+
+def test_plan_from_config_path_and_plot(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "hidden_size": 256, "sliding_window": 64, "sliding_window_pattern": 2}))
+    png = tmp_path / "plan.png"
+    assert main(["plan", str(cfg), "--num-blocks", "64", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "no-such-model"], "unknown preset"),
+        (["plan", "gemma-3-1b", "--memory", "1KiB"], "at least 2"),
+        (["plan", "gemma-3-1b", "--memory", "1GiB", "--num-blocks", "9"], "not both"),
+        (["plan", "gemma-3-1b", "--memory", "lots"], "memory size"),
+        (["plan", "/nonexistent/config.json"], "no such config"),
+        (["plan", "gemma-3-1b", "--dtype", "float3"], "unknown dtype"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_malformed_json_file(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    assert main(["plan", str(bad)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err

@@ -1,0 +1,78 @@
+import pytest
+
+from hkv_jax.models import layers_from_hf_config, load_preset, model_layers, preset_names
+from hkv_jax.spec import KVSharingSpec
+
+EXPECTED = {  # preset: (layers, {kind: count})
+    "llama-3.1-8b": (32, {"full": 32}),
+    "gemma-2-9b": (42, {"sliding_window": 21, "full": 21}),
+    "gemma-3-1b": (26, {"sliding_window": 22, "full": 4}),
+    "gemma-3-27b": (62, {"sliding_window": 52, "full": 10}),
+    "gemma-3n-e4b": (35, {"sliding_window": 16, "full": 4, "kv_sharing": 15}),
+    "gpt-oss-20b": (24, {"sliding_window": 12, "full": 12}),
+    "gpt-oss-120b": (36, {"sliding_window": 18, "full": 18}),
+    "llama-4-scout-17b-16e": (48, {"chunked_local": 36, "full": 12}),
+    "ministral-8b": (36, {"sliding_window": 27, "full": 9}),
+    "jamba-mini-1.5": (32, {"mamba": 28, "full": 4}),
+    "qwen3-next-80b-a3b": (48, {"mamba": 36, "full": 12}),
+    "granite-4.0-h-small": (40, {"mamba": 36, "full": 4}),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(EXPECTED))
+def test_real_presets_have_the_published_layer_mix(preset):
+    layers = model_layers(preset)
+    n, mix = EXPECTED[preset]
+    assert len(layers) == n
+    got = {}
+    for l in layers:
+        got[l.kind] = got.get(l.kind, 0) + 1
+    assert got == mix
+    assert "_source" in load_preset(preset)
+
+
+def test_every_preset_builds():
+    assert set(EXPECTED) <= set(preset_names())
+    for name in preset_names():
+        assert model_layers(name)
+
+
+def test_state_sizes_of_recurrent_presets():
+    jamba = model_layers("jamba-mini-1.5")[0]
+    assert jamba.state_bytes == (3 * 8192 + 8192 * 16) * 2  # Mamba-1: conv + SSM, bf16
+    qwen = model_layers("qwen3-next-80b-a3b")[0]
+    assert qwen.shapes == ((3, 8192), (32, 128, 128))  # Gated DeltaNet
+    granite = model_layers("granite-4.0-h-small")[0]
+    assert granite.shapes == ((3, 8448), (128, 64, 128))  # Mamba-2
+
+
+def test_gemma3n_shared_layers_point_at_the_last_unshared_layer_of_their_kind():
+    layers = model_layers("gemma-3n-e4b")
+    shared = [l for l in layers if isinstance(l, KVSharingSpec)]
+    assert {l.target for l in shared} == {"model.layers.18", "model.layers.19"}
+    assert next(l for l in shared if l.name == "model.layers.24").target == "model.layers.19"
+
+
+def test_dtype_override_and_float32_served_as_bfloat16():
+    assert model_layers("gemma-2-9b")[0].dtype == "bfloat16"
+    assert model_layers("gemma-2-9b", dtype="float32")[0].bytes_per_token == 2 * 8 * 256 * 4
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({}, "num_hidden_layers"),
+        ({"num_hidden_layers": 2, "layer_types": ["full_attention"]}, "2 layers"),
+        ({"num_hidden_layers": 1, "layer_types": ["weird"], "num_attention_heads": 1, "hidden_size": 8}, "unknown layer type"),
+        ({"num_hidden_layers": 2, "layer_types": ["mamba", "attention"], "num_attention_heads": 2, "hidden_size": 8}, "state fields"),
+        ([1, 2], "JSON object"),
+    ],
+)
+def test_malformed_configs_raise_value_error(config, message):
+    with pytest.raises(ValueError, match=message):
+        layers_from_hf_config(config)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown preset"):
+        load_preset("gpt-5")

@@ -1,0 +1,63 @@
+import pytest
+
+from hkv_jax.spec import (
+    ChunkedLocalSpec,
+    FullAttentionSpec,
+    KVSharingSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    layer_from_dict,
+    layers_from_trace,
+)
+
+
+def test_bytes_per_token_and_page():
+    s = FullAttentionSpec(name="l0", num_kv_heads=8, head_size=128, dtype="bfloat16")
+    assert s.bytes_per_token == 2 * 8 * 128 * 2
+    assert s.page_size_bytes(16) == 16 * 4096
+    m = MambaSpec(name="m", shapes=[[3, 64], [4, 16, 16]], dtypes=["bfloat16", "float32"])
+    assert m.state_bytes == 3 * 64 * 2 + 4 * 16 * 16 * 4
+    assert m.page_size_bytes(16) == m.page_size_bytes(1024) == m.state_bytes
+
+
+def test_name_does_not_take_part_in_equality():
+    a = SlidingWindowSpec(name="a", num_kv_heads=4, head_size=64, sliding_window=128)
+    b = SlidingWindowSpec(name="b", num_kv_heads=4, head_size=64, sliding_window=128)
+    c = SlidingWindowSpec(name="c", num_kv_heads=4, head_size=64, sliding_window=64)
+    assert a == b and hash(a) == hash(b) and a != c
+    assert a != FullAttentionSpec(name="a", num_kv_heads=4, head_size=64)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: SlidingWindowSpec(name="layer7", num_kv_heads=4, head_size=64, sliding_window=0), "sliding_window"),
+        (lambda: FullAttentionSpec(name="layer7", num_kv_heads=-2, head_size=64), "num_kv_heads"),
+        (lambda: FullAttentionSpec(name="layer7", num_kv_heads=2, head_size=64, dtype="float128"), "unknown dtype"),
+        (lambda: ChunkedLocalSpec(name="layer7", num_kv_heads=2, head_size=64, attention_chunk_size=0), "chunk"),
+        (lambda: MambaSpec(name="layer7", shapes=[[3, 4]], dtypes=["bfloat16", "bfloat16"]), "dtypes"),
+        (lambda: MambaSpec(name="layer7", shapes=[[3, 0]], dtypes=["bfloat16"]), "dimension"),
+        (lambda: KVSharingSpec(name="layer7", target="layer7"), "own"),
+    ],
+)
+def test_bad_fields_raise_value_error_naming_the_layer(make, message):
+    with pytest.raises(ValueError, match=message) as info:
+        make()
+    assert "layer7" in str(info.value)
+
+
+def test_layer_from_dict_errors_name_the_layer():
+    with pytest.raises(ValueError, match="'x'.*unknown layer type"):
+        layer_from_dict({"name": "x", "type": "rnn"})
+    with pytest.raises(ValueError, match="'y'.*missing field 'sliding_window'"):
+        layer_from_dict({"name": "y", "type": "sliding_window", "num_kv_heads": 1, "head_size": 8})
+
+
+def test_layers_from_trace_pattern_and_round_trip():
+    trace = {"layer_pattern": {"num_layers": 3, "pattern": [
+        {"type": "full", "num_kv_heads": 2, "head_size": 8, "dtype": "float16"},
+        {"type": "sliding_window", "sliding_window": 32, "num_kv_heads": 2, "head_size": 8, "dtype": "float16"}]}}
+    layers = layers_from_trace(trace)
+    assert [l.name for l in layers] == [f"model.layers.{i}.attn" for i in range(3)]
+    assert [l.kind for l in layers] == ["full", "sliding_window", "full"]
+    assert all(layer_from_dict(l.to_dict()) == l for l in layers)
