@@ -1,4 +1,4 @@
-"""The ``hkv`` command: ``hkv plan`` (more subcommands come with the allocator and engine)."""
+"""The ``hkv`` command: ``hkv plan`` and ``hkv replay``."""
 
 from __future__ import annotations
 
@@ -42,6 +42,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from hkv_jax.allocator.replay import replay_file
+
+    result = replay_file(args.trace, args.output, policy=args.policy)
+    events = result["events"]
+    failed = sum(1 for e in events if e.get("ok") is False)
+    hits = sum(e.get("cache_hit_tokens", 0) for e in events)
+    print(f"{args.trace}: {len(events)} events, {failed} refused, {hits} cache-hit tokens, "
+          f"{len(result['kv_cache_config']['groups'])} groups (policy {args.policy})"
+          + (f" -> {args.output}" if args.output else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hkv``."""
     parser = argparse.ArgumentParser(prog="hkv", description="Hybrid KV cache manager for JAX.")
@@ -57,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the memory layout and capacity chart")
     p.set_defaults(func=_cmd_plan)
+    r = sub.add_parser("replay", help="run a trace of scheduler decisions through the allocator")
+    r.add_argument("trace", help="trace file (format: shared/trace-format.md)")
+    r.add_argument("-o", "--output", help="write the result JSON here (compare with shared/tools/compare_replay.py)")
+    r.add_argument("--policy", choices=POLICIES, default="vllm", help="planner policy (default vllm: the conformance mode)")
+    r.set_defaults(func=_cmd_replay)
     return parser
 
 

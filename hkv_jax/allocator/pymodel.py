@@ -1,0 +1,399 @@
+"""A plain-Python model of the allocator rules in ``shared/SEMANTICS.md``.
+
+Written from the rules, object by object and without any cleverness, so that
+it can serve as the independent oracle for the jitted allocator (property
+tests compare the two after every operation) and as a readable statement of
+what the numbers in a replay must be.
+
+Block hashes here are exact: a block's hash is the nested tuple
+``(parent hash, block tokens, extra keys)``, so two blocks share a hash only if
+their whole prefixes are equal. The jitted allocator uses 128-bit hashes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+from hkv_jax.planner import KVCacheConfig, cdiv
+from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+NULL = 0
+WAITING, RUNNING = "waiting", "running"
+ROOT_HASH: Hashable = ("root",)
+
+
+def block_hashes(tokens: list[int], block_size: int, salt: Hashable = None) -> list[Hashable]:
+    """Exact chained hashes of the full blocks of ``tokens`` (the salt keys the first block)."""
+    out: list[Hashable] = []
+    parent = ROOT_HASH
+    for i in range(len(tokens) // block_size):
+        extra = salt if i == 0 else None
+        parent = (parent, tuple(tokens[i * block_size : (i + 1) * block_size]), extra)
+        out.append(parent)
+    return out
+
+
+def skipped_tokens(spec, num_computed: int) -> int:
+    """Tokens whose blocks a group no longer needs after ``num_computed`` tokens."""
+    if isinstance(spec, SlidingWindowSpec):
+        return max(0, num_computed - spec.sliding_window + 1)
+    if isinstance(spec, ChunkedLocalSpec):
+        return num_computed // spec.attention_chunk_size * spec.attention_chunk_size
+    if isinstance(spec, MambaSpec):
+        return num_computed - 1
+    return 0
+
+
+@dataclass
+class Request:
+    """One request's state in the model."""
+
+    tokens: list[int]
+    salt: Hashable = None
+    num_computed: int = 0
+    status: str = WAITING
+    tables: list[list[int]] = field(default_factory=list)
+    num_cached: list[int | None] = field(default_factory=list)
+    # Mamba bookkeeping (vLLM's "align" mode).
+    last_state_idx: list[int | None] = field(default_factory=list)
+    retired: list[int] = field(default_factory=list)
+
+
+class PyAllocator:
+    """The allocator of one KV cache config, as plain Python objects."""
+
+    def __init__(self, cfg: KVCacheConfig, max_model_len: int):
+        self.cfg = cfg
+        self.max_model_len = max_model_len
+        self.groups = cfg.groups
+        n = cfg.num_blocks
+        self.ref = [0] * n
+        self.hash: list[Hashable | None] = [None] * n  # (block hash, group id) the block is cached under
+        self.free_queue: list[int] = list(range(1, n))
+        self.cache: dict[Hashable, list[int]] = {}  # key -> blocks cached under it, oldest first
+        self.requests: dict[str, Request] = {}
+        self.cached_this_step: set[Hashable] = set()
+        # Groups with equal specs are looked up together; full attention first.
+        spec_groups: list[list[int]] = []
+        for g in self.groups:
+            for sg in spec_groups:
+                if self.groups[sg[0]].spec == g.spec and self.groups[sg[0]].block_size == g.block_size:
+                    sg.append(g.group_id)
+                    break
+            else:
+                spec_groups.append([g.group_id])
+        self.spec_groups = sorted(spec_groups, key=lambda sg: not isinstance(self.groups[sg[0]].spec, FullAttentionSpec))
+
+    # ---- block pool -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached or not); the null block excluded."""
+        return len(self.free_queue)
+
+    def _pop_free(self, count: int) -> list[int]:
+        taken, self.free_queue = self.free_queue[:count], self.free_queue[count:]
+        for b in taken:
+            self._evict(b)
+            self.ref[b] = 1
+        return taken
+
+    def _evict(self, b: int) -> None:
+        key = self.hash[b]
+        if key is not None:
+            self.cache[key].remove(b)
+            if not self.cache[key]:
+                del self.cache[key]
+            self.hash[b] = None
+
+    def _free_blocks(self, ordered: list[int]) -> None:
+        first, last = [], []
+        for b in ordered:
+            if b == NULL:
+                continue
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                (first if self.hash[b] is None else last).append(b)
+        self.free_queue = first + self.free_queue + last
+
+    def _touch(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if b == NULL:
+                continue
+            if self.ref[b] == 0:
+                self.free_queue.remove(b)
+            self.ref[b] += 1
+
+    def _cached(self, h: Hashable, gids: list[int]) -> list[int] | None:
+        out = []
+        for g in gids:
+            blocks = self.cache.get((h, g))
+            if not blocks:
+                return None
+            out.append(blocks[0])
+        return out
+
+    # ---- per-type hit rules -------------------------------------------------------------------
+    def _hit_one(self, gids: list[int], hashes: list[Hashable], max_len: int) -> tuple[list[list[int]], int]:
+        g0 = self.groups[gids[0]]
+        spec, bs = g0.spec, g0.block_size
+        nmax = max_len // bs
+        per = [[] for _ in gids]
+        if isinstance(spec, SlidingWindowSpec):
+            need = cdiv(spec.sliding_window - 1, bs)
+            per = [[NULL] * nmax for _ in gids]
+            run = 0
+            for i in range(nmax - 1, -1, -1):
+                got = self._cached(hashes[i], gids)
+                if got is None:
+                    run = 0
+                    continue
+                for p, b in zip(per, got):
+                    p[i] = b
+                run += 1
+                if run >= need:
+                    return [p[: i + run] for p in per], (i + run) * bs
+            return [p[:run] for p in per], run * bs
+        if isinstance(spec, MambaSpec):
+            for i in range(nmax - 1, -1, -1):
+                got = self._cached(hashes[i], gids)
+                if got is not None:
+                    return [[NULL] * i + [b] for b in got], (i + 1) * bs
+            return per, 0
+        start = 0
+        if isinstance(spec, ChunkedLocalSpec) and max_len > 0:
+            start = max_len // spec.attention_chunk_size * spec.attention_chunk_size // bs
+            per = [[NULL] * start for _ in gids]
+        for i in range(start, nmax):
+            got = self._cached(hashes[i], gids)
+            if got is None:
+                break
+            for p, b in zip(per, got):
+                p.append(b)
+        return per, len(per[0]) * bs
+
+    def lookup(self, rid: str) -> tuple[list[list[int]], int, int]:
+        """Longest prefix hit of a waiting request: (hit blocks per group, hit tokens, shared boundary)."""
+        r = self.requests[rid]
+        hashes = block_hashes(r.tokens, self.cfg.block_size, r.salt)
+        hit = len(r.tokens) - 1
+        longest = 0
+        blocks: list[list[int] | None] = [None] * len(self.groups)
+        lengths = [0] * len(self.groups)
+        simple = len(self.spec_groups) == 2 and isinstance(self.groups[self.spec_groups[0][0]].spec, FullAttentionSpec)
+        while True:
+            cur = hit
+            for gids in self.spec_groups:
+                if isinstance(self.groups[gids[0]].spec, FullAttentionSpec) and blocks[gids[0]] is not None:
+                    cur = min(cur, lengths[gids[0]])
+                    continue
+                per, length = self._hit_one(gids, hashes, cur)
+                cur = length
+                for g, p in zip(gids, per):
+                    blocks[g], lengths[g] = p, length
+                longest = max(longest, cur)
+            if cur >= hit:
+                break
+            hit = cur
+            if simple:
+                break
+        for gids in self.spec_groups:
+            g0 = self.groups[gids[0]]
+            if isinstance(g0.spec, FullAttentionSpec):
+                for g in gids:
+                    if blocks[g] is not None:
+                        blocks[g] = blocks[g][: cdiv(hit, g0.block_size)]
+        boundary = longest if longest > hit else 0
+        return [b or [] for b in blocks], hit, boundary
+
+    # ---- allocation ---------------------------------------------------------------------------
+    def _remove_skipped(self, r: Request, g: int, processed: int) -> None:
+        group = self.groups[g]
+        bs, table = group.block_size, r.tables[g]
+        skip = skipped_tokens(group.spec, processed)
+        if isinstance(group.spec, MambaSpec):
+            last = min(skip // bs, len(table)) if skip > 0 else 0
+            first = r.retired[g]
+            if skip > 0 and first < last:
+                freed = []
+                for i in range(last - 1, first - 1, -1):
+                    if table[i] != NULL:
+                        freed.append(table[i])
+                        table[i] = NULL
+                self._free_blocks(freed)
+                r.retired[g] = last
+            idx = r.last_state_idx[g]
+            if idx is not None and idx < cdiv(processed, bs) - 1 and table[idx] != NULL:
+                self._free_blocks([table[idx]])
+                table[idx] = NULL
+            return
+        if skip <= 0:
+            return
+        freed = []
+        for i in range(min(skip // bs, len(table)) - 1, -1, -1):
+            if table[i] == NULL:
+                break
+            freed.append(table[i])
+            table[i] = NULL
+        self._free_blocks(freed)
+
+    def _blocks_to_allocate(self, r: Request, g: int, need: int, main: int, hits: list[int], computed: int) -> int:
+        group = self.groups[g]
+        bs, table = group.block_size, r.tables[g]
+        evictable = lambda bl: sum(1 for b in bl if b != NULL and self.ref[b] == 0)  # noqa: E731
+        if isinstance(group.spec, MambaSpec):
+            if hits and self.hash[hits[-1]] in self.cached_this_step:
+                return self.cfg.num_blocks + 1  # a state cached this step cannot serve a hit yet
+            new = cdiv(main, bs) - len(hits) - len(table)
+            return (min(new, 1) if new > 0 else 0) + evictable(hits)
+        required = cdiv(need, bs)
+        if r.num_cached[g] is not None:  # running request
+            return max(required - len(table), 0)
+        skipped = skipped_tokens(group.spec, computed) // bs
+        new = max(required - max(skipped, len(hits) + len(table)), 0)
+        return new + evictable(hits[max(0, skipped - len(table)) :])
+
+    def _add_hits(self, r: Request, g: int, hits: list[int], computed: int) -> None:
+        group = self.groups[g]
+        skipped = skipped_tokens(group.spec, computed) // group.block_size
+        kept = hits[skipped:]
+        self._touch(kept)
+        r.tables[g] = [NULL] * skipped + kept
+        r.num_cached[g] = len(r.tables[g])
+
+    def _allocate_new(self, r: Request, g: int, need: int, main: int) -> None:
+        group = self.groups[g]
+        bs, table = group.block_size, r.tables[g]
+        if isinstance(group.spec, MambaSpec):
+            required = cdiv(main, bs)
+            if required <= len(table):
+                return
+            if table:
+                r.last_state_idx[g] = len(table) - 1
+            table.extend([NULL] * (required - 1 - len(table)))
+            table.extend(self._pop_free(required - len(table)))
+            return
+        table.extend(self._pop_free(max(cdiv(need, bs) - len(table), 0)))
+
+    def _cache(self, r: Request, g: int, num_tokens: int, hashes: list[Hashable]) -> None:
+        group = self.groups[g]
+        before = r.num_cached[g] or 0
+        full = min(num_tokens, len(hashes) * group.block_size) // group.block_size
+        if before >= full:
+            return
+        for i in range(before, full):
+            b = r.tables[g][i]
+            if b == NULL:
+                continue
+            self._evict(b)
+            key = (hashes[i], g)
+            self.hash[b] = key
+            self.cache.setdefault(key, []).append(b)
+            if isinstance(group.spec, MambaSpec):
+                self.cached_this_step.add(key)
+        r.num_cached[g] = full
+
+    def allocate_slots(
+        self, rid: str, num_new: int, hits: list[list[int]] | None = None, num_hit: int = 0
+    ) -> list[list[int]] | None:
+        """Allocate slots for ``num_new`` more tokens (after ``num_hit`` hit tokens for a waiting request).
+
+        All or nothing across groups: returns the table entries appended after the hit blocks, per
+        group, or None when the pool cannot supply the blocks.
+        """
+        r = self.requests[rid]
+        ng = len(self.groups)
+        hits = hits or [[] for _ in range(ng)]
+        computed = min(r.num_computed + num_hit, self.max_model_len)
+        main = computed + num_new
+        need = min(main, self.max_model_len)
+        for g in range(ng):
+            self._remove_skipped(r, g, computed)
+        wanted = sum(self._blocks_to_allocate(r, g, need, main, hits[g], computed) for g in range(ng))
+        if wanted > self.num_free_blocks:
+            return None
+        if r.status == WAITING:
+            for g in range(ng):
+                self._add_hits(r, g, hits[g], computed)
+        before = [len(t) for t in r.tables]
+        for g in range(ng):
+            self._allocate_new(r, g, need, main)
+        hashes = block_hashes(r.tokens, self.cfg.block_size, r.salt)
+        for g in range(ng):
+            self._cache(r, g, min(computed + num_new, len(r.tokens)), hashes)
+        return [t[b:] for t, b in zip(r.tables, before)]
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add(self, rid: str, prompt: list[int], salt: Hashable = None) -> None:
+        """A new waiting request."""
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} exists")
+        self.requests[rid] = self._fresh(Request(tokens=list(prompt), salt=salt))
+
+    def _fresh(self, r: Request) -> Request:
+        ng = len(self.groups)
+        r.tables = [[] for _ in range(ng)]
+        r.num_cached = [None] * ng
+        r.last_state_idx = [None] * ng
+        r.retired = [0] * ng
+        r.num_computed = 0
+        r.status = WAITING
+        return r
+
+    def schedule(self, rid: str, num_tokens: int | str, output_token: int | None) -> dict[str, Any]:
+        """One ``schedule`` event (trace-format 2.3); returns its result fields."""
+        r = self.requests[rid]
+        res: dict[str, Any] = {"num_computed_tokens_before": r.num_computed}
+        hits, h = None, 0
+        if r.status == WAITING:
+            hits, h, boundary = self.lookup(rid)
+            res.update(cache_hit_tokens=h, shared_prefix_boundary=boundary, hit_block_ids=[list(b) for b in hits])
+        remaining = len(r.tokens) - r.num_computed - h
+        n = remaining if num_tokens == "all" else min(int(num_tokens), remaining)
+        res["num_new_tokens"] = n
+        if n <= 0:
+            raise ValueError(f"nothing to schedule for request {rid!r}")
+        new_ids = self.allocate_slots(rid, n, hits, h)
+        res["ok"] = new_ids is not None
+        if new_ids is None:
+            return res
+        r.status = RUNNING
+        r.num_computed += h + n
+        res["new_block_ids"] = new_ids
+        res["num_computed_tokens"] = r.num_computed
+        res["block_table"] = [list(t) for t in r.tables]
+        if r.num_computed >= len(r.tokens) and output_token is not None:
+            r.tokens.append(int(output_token))
+            res["sampled_tokens"] = [int(output_token)]
+        return res
+
+    def free(self, rid: str) -> None:
+        """Release every block of a request and forget it."""
+        r = self.requests.pop(rid)
+        self._release(r)
+
+    def preempt(self, rid: str) -> None:
+        """Release every block of a running request; it waits again with its tokens kept."""
+        r = self.requests[rid]
+        self._release(r)
+        self._fresh(r)
+
+    def _release(self, r: Request) -> None:
+        for table in r.tables:
+            start = 0
+            while start < len(table) and table[start] == NULL:
+                start += 1
+            self._free_blocks(list(reversed(table[start:])))
+            table.clear()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cache entry if no block is held."""
+        if self.num_free_blocks != self.cfg.num_blocks - 1:
+            return False
+        self.cache.clear()
+        self.hash = [None] * self.cfg.num_blocks
+        return True
+
+    def new_step(self) -> None:
+        """A scheduler step begins (Mamba states cached earlier may now serve hits)."""
+        self.cached_this_step.clear()
