@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+# The team's shared folder sits beside the checkout (CI lays it there too); HKV_SHARED overrides.
+SHARED = Path(os.environ.get("HKV_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 TRACES = sorted(p for p in (SHARED / "traces").glob("*.json") if not p.name.endswith(".expected.json"))
 
 
