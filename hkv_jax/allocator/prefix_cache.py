@@ -1,0 +1,146 @@
+"""The device-resident prefix cache: (block hash, group id) -> block, as arrays.
+
+An open-addressing hash table (linear probing, tombstones) maps a key to the
+*oldest* block cached under it; further blocks cached under the same key
+(two requests computed the same block) are counted in ``dups`` and remember
+their slot, so that evicting the oldest promotes the next oldest, as vLLM's
+map of blocks per hash does. Every operation is a pure function over the
+``PrefixCache`` pytree; probes are ``lax.while_loop``s bounded by the table
+size, lookups ``vmap`` over a batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import jax
+import jax.numpy as jnp
+
+EMPTY, TOMBSTONE = -1, -2
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PrefixCache:
+    """Prefix-cache table of ``num_slots`` slots for a pool of ``num_blocks`` blocks.
+
+    Fields:
+      keys: ``u32[num_slots, 4]`` block hash of each slot.
+      group: ``i32[num_slots]`` KV cache group of the slot's key; ``EMPTY`` or ``TOMBSTONE``.
+      block: ``i32[num_slots]`` the oldest block cached under the key.
+      dups: ``i32[num_slots]`` how many more blocks are cached under the key.
+      block_slot: ``i32[num_blocks]`` slot of the key a block is cached under; -1 when not cached.
+      cached_at: ``i32[num_blocks]`` insertion clock of each cached block (oldest first).
+      clock: ``i32[]`` next insertion time.
+    """
+
+    keys: jax.Array
+    group: jax.Array
+    block: jax.Array
+    dups: jax.Array
+    block_slot: jax.Array
+    cached_at: jax.Array
+    clock: jax.Array
+
+
+def init_prefix_cache(num_blocks: int, num_slots: int | None = None) -> PrefixCache:
+    """An empty cache; ``num_slots`` (a power of two) defaults to the first >= 2 x num_blocks."""
+    if num_slots is None:
+        num_slots = 1 << max(1, (2 * num_blocks - 1).bit_length())
+    if num_slots & (num_slots - 1) or num_slots < num_blocks:
+        raise ValueError(f"num_slots must be a power of two >= num_blocks, got {num_slots}")
+    return PrefixCache(
+        keys=jnp.zeros((num_slots, 4), jnp.uint32),
+        group=jnp.full(num_slots, EMPTY, jnp.int32),
+        block=jnp.zeros(num_slots, jnp.int32),
+        dups=jnp.zeros(num_slots, jnp.int32),
+        block_slot=jnp.full(num_blocks, -1, jnp.int32),
+        cached_at=jnp.zeros(num_blocks, jnp.int32),
+        clock=jnp.int32(0),
+    )
+
+
+def _home(cache: PrefixCache, key: jax.Array, group: jax.Array) -> jax.Array:
+    mask = cache.group.shape[0] - 1
+    mixed = key[0] ^ (key[1] * jnp.uint32(0x9E3779B1)) ^ (group.astype(jnp.uint32) * jnp.uint32(0x85EBCA6B))
+    return (mixed & jnp.uint32(mask)).astype(jnp.int32)
+
+
+def _probe(cache: PrefixCache, key: jax.Array, group: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(slot holding the key or -1, first free slot on the probe path: tombstone or empty, or -1)."""
+    size = cache.group.shape[0]
+    mask = size - 1
+
+    def cond(c):
+        i, slot, found, free = c
+        return (i < size) & (found < 0) & (cache.group[slot] != EMPTY)
+
+    def body(c):
+        i, slot, found, free = c
+        hit = (cache.group[slot] == group) & jnp.all(cache.keys[slot] == key)
+        found = jnp.where(hit, slot, found)
+        free = jnp.where((free < 0) & (cache.group[slot] == TOMBSTONE), slot, free)
+        return i + 1, (slot + 1) & mask, found, free
+
+    i, slot, found, free = jax.lax.while_loop(cond, body, (jnp.int32(0), _home(cache, key, group), jnp.int32(-1), jnp.int32(-1)))
+    free = jnp.where((free < 0) & (i < size) & (found < 0), slot, free)
+    return found, free
+
+
+def lookup(cache: PrefixCache, keys: jax.Array, groups: jax.Array) -> jax.Array:
+    """Block cached under each (``keys[i]``, ``groups[i]``), 0 (the null block) when none.
+
+    ``keys`` is ``u32[..., 4]``, ``groups`` ``i32[...]``; batch dims are vmapped.
+    """
+    flat_k, flat_g = keys.reshape(-1, 4), groups.reshape(-1)
+    found = jax.vmap(lambda k, g: _probe(cache, k, g)[0])(flat_k, flat_g)
+    return jnp.where(found >= 0, cache.block[jnp.maximum(found, 0)], 0).reshape(groups.shape)
+
+
+def insert(cache: PrefixCache, block: jax.Array, key: jax.Array, group: jax.Array) -> PrefixCache:
+    """Cache ``block`` (not cached now, > 0) under (``key``, ``group``); a no-op for block 0."""
+    found, free = _probe(cache, key, group)
+    slot = jnp.where(found >= 0, found, free)
+    do = (block > 0) & (slot >= 0)
+    s = jnp.where(do, slot, 0)
+    new_key = do & (found < 0)
+    return PrefixCache(
+        keys=jnp.where(new_key, cache.keys.at[s].set(key), cache.keys),
+        group=jnp.where(new_key, cache.group.at[s].set(group), cache.group),
+        block=jnp.where(new_key, cache.block.at[s].set(block), cache.block),
+        dups=jnp.where(do & (found >= 0), cache.dups.at[s].add(1), jnp.where(new_key, cache.dups.at[s].set(0), cache.dups)),
+        block_slot=jnp.where(do, cache.block_slot.at[block].set(s), cache.block_slot),
+        cached_at=jnp.where(do, cache.cached_at.at[block].set(cache.clock), cache.cached_at),
+        clock=cache.clock + do.astype(jnp.int32),
+    )
+
+
+def evict(cache: PrefixCache, block: jax.Array) -> PrefixCache:
+    """Drop ``block``'s cache entry, if it has one; the next oldest duplicate takes over the key."""
+    s = cache.block_slot[block]
+    has = (block > 0) & (s >= 0)
+    s0 = jnp.maximum(s, 0)
+    is_head = has & (cache.block[s0] == block)
+    others = (cache.block_slot == s) & (jnp.arange(cache.block_slot.shape[0]) != block)
+    successor = jnp.argmin(jnp.where(others, cache.cached_at, jnp.iinfo(jnp.int32).max)).astype(jnp.int32)
+    has_dups = cache.dups[s0] > 0
+    group = jnp.where(is_head & ~has_dups, cache.group.at[s0].set(TOMBSTONE), cache.group)
+    new_block = jnp.where(is_head & has_dups, cache.block.at[s0].set(successor), cache.block)
+    dups = jnp.where(has & has_dups, cache.dups.at[s0].add(-1), cache.dups)
+    return replace(
+        cache,
+        group=group,
+        block=new_block,
+        dups=dups,
+        block_slot=jnp.where(has, cache.block_slot.at[block].set(-1), cache.block_slot),
+    )
+
+
+def is_cached(cache: PrefixCache) -> jax.Array:
+    """``bool[num_blocks]``: blocks that hold a cache entry (they go to the back of the free queue)."""
+    return cache.block_slot >= 0
+
+
+def reset(cache: PrefixCache) -> PrefixCache:
+    """Drop every entry (``reset_prefix_cache``; the caller checks that no block is held)."""
+    return init_prefix_cache(cache.block_slot.shape[0], cache.group.shape[0])

@@ -1,0 +1,76 @@
+"""The jitted prefix-cache table against a dict of (key, group) -> blocks, oldest first."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hkv_jax.allocator import prefix_cache as pc
+
+NB = 10
+KEYS = [np.array([k * 7919 % 13, k, 3 * k, 1], np.uint32) for k in range(6)]
+insert = jax.jit(pc.insert)
+evict = jax.jit(pc.evict)
+lookup = jax.jit(pc.lookup)
+
+op = st.one_of(
+    # Few keys, so that blocks are often cached under a key that already has blocks (duplicates).
+    st.tuples(st.just("insert"), st.integers(0, NB - 1), st.integers(0, 2), st.integers(0, 1)),
+    st.tuples(st.just("evict"), st.integers(0, NB - 1), st.just(0), st.just(0)),
+    st.tuples(st.just("reset"), st.just(0), st.just(0), st.just(0)),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(op, min_size=5, max_size=40), st.sampled_from([16, 32]))
+def test_table_matches_the_dict_model(ops, slots):
+    cache = pc.init_prefix_cache(NB, slots)
+    model: dict[tuple[int, int], list[int]] = {}
+    where: dict[int, tuple[int, int]] = {}
+    all_keys = jnp.asarray(np.stack([k for k in KEYS for _ in (0, 1)]))
+    all_groups = jnp.asarray([g for _ in KEYS for g in (0, 1)], jnp.int32)
+    for kind, b, k, g in ops:
+        if kind == "insert":
+            if b == 0 or b in where:
+                continue
+            cache = insert(cache, jnp.int32(b), jnp.asarray(KEYS[k]), jnp.int32(g))
+            model.setdefault((k, g), []).append(b)
+            where[b] = (k, g)
+        elif kind == "evict":
+            cache = evict(cache, jnp.int32(b))
+            if b in where:
+                key = where.pop(b)
+                model[key].remove(b)
+                if not model[key]:
+                    del model[key]
+        else:
+            cache = pc.reset(cache)
+            model.clear()
+            where.clear()
+        got = np.asarray(lookup(cache, all_keys, all_groups))
+        want = [model.get((k, g), [0])[0] for k in range(len(KEYS)) for g in (0, 1)]
+        assert list(got) == want
+        cached = np.asarray(pc.is_cached(cache))
+        assert [bool(cached[b]) for b in range(NB)] == [b in where for b in range(NB)]
+
+
+def test_lookup_batches_and_misses_return_the_null_block():
+    cache = pc.init_prefix_cache(8)
+    cache = insert(cache, jnp.int32(3), jnp.asarray(KEYS[1]), jnp.int32(0))
+    got = lookup(cache, jnp.asarray(np.stack([KEYS[1], KEYS[1], KEYS[2]]))[None], jnp.array([[0, 1, 0]], jnp.int32))
+    assert got.shape == (1, 3) and list(np.asarray(got[0])) == [3, 0, 0]
+
+
+def test_evicting_the_oldest_duplicate_promotes_the_next_oldest():
+    cache = pc.init_prefix_cache(10, 16)
+    for b in (2, 5, 7):
+        cache = insert(cache, jnp.int32(b), jnp.asarray(KEYS[1]), jnp.int32(0))
+    key, grp = jnp.asarray(KEYS[1])[None], jnp.array([0], jnp.int32)
+    assert int(lookup(cache, key, grp)[0]) == 2
+    cache = evict(cache, jnp.int32(5))  # a younger duplicate leaves: the head stays
+    assert int(lookup(cache, key, grp)[0]) == 2
+    cache = evict(cache, jnp.int32(2))
+    assert int(lookup(cache, key, grp)[0]) == 7
+    cache = evict(cache, jnp.int32(7))
+    assert int(lookup(cache, key, grp)[0]) == 0
