@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
     except (CliError, ValueError, OSError) as e:
         print(f"hkv {args.command}: error: {e}", file=sys.stderr)
         return 2
