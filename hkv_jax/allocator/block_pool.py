@@ -1,0 +1,57 @@
+"""vLLM's block pool layer in jnp: the free queue (``pool``) and the prefix cache (``prefix_cache``) together.
+
+Taking a block from the free queue evicts its cache entry (lazy eviction);
+freeing sends cached blocks to the back of the queue and uncached ones to the
+front. These are the only operations the per-type managers need from the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from hkv_jax.allocator import pool as P
+from hkv_jax.allocator import prefix_cache as pc
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class BlockPoolState:
+    """Free queue + prefix cache of one block pool (see ``pool.BlockPool`` and ``prefix_cache.PrefixCache``)."""
+
+    pool: P.BlockPool
+    cache: pc.PrefixCache
+
+
+def init_block_pool(num_blocks: int) -> BlockPoolState:
+    """All blocks but the null block free, nothing cached."""
+    return BlockPoolState(pool=P.init_pool(num_blocks), cache=pc.init_prefix_cache(num_blocks))
+
+
+def get_new_blocks(state: BlockPoolState, count: jax.Array, max_count: int) -> tuple[BlockPoolState, jax.Array]:
+    """Pop ``count`` blocks (``<= max_count``, static) from the queue head, evicting their cache entries."""
+    pool, ids = P.pop_free(state.pool, count, max_count)
+    cache = jax.lax.fori_loop(0, max_count, lambda i, c: pc.evict(c, ids[i]), state.cache)
+    return BlockPoolState(pool=pool, cache=cache), ids
+
+
+def free_blocks(state: BlockPoolState, blocks: jax.Array) -> BlockPoolState:
+    """Drop one reference from each non-null id in ``blocks`` (eviction priority order)."""
+    return BlockPoolState(pool=P.free_ordered(state.pool, blocks, pc.is_cached(state.cache)), cache=state.cache)
+
+
+def touch(state: BlockPoolState, blocks: jax.Array) -> BlockPoolState:
+    """A prefix hit: one more reference to each non-null id; free ones leave the queue."""
+    return BlockPoolState(pool=P.touch(state.pool, blocks), cache=state.cache)
+
+
+def cache_blocks(state: BlockPoolState, blocks: jax.Array, hashes: jax.Array, group: jax.Array) -> BlockPoolState:
+    """Enter each non-null ``blocks[i]`` under (``hashes[i]``, ``group``), replacing an older entry of that block."""
+
+    def one(i, c):
+        b = blocks[i]
+        return pc.insert(pc.evict(c, b), b, hashes[i], group)
+
+    return BlockPoolState(pool=state.pool, cache=jax.lax.fori_loop(0, blocks.shape[0], one, state.cache))

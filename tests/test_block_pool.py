@@ -1,0 +1,67 @@
+"""Free queue + prefix cache together (lazy eviction on reuse) against the plain-Python model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hkv_jax.allocator import block_pool as BP
+from hkv_jax.allocator.pymodel import PyAllocator
+from hkv_jax.planner import plan
+from hkv_jax.spec import FullAttentionSpec
+
+N, K = 6, 4
+get = jax.jit(BP.get_new_blocks, static_argnums=2)
+free = jax.jit(BP.free_blocks)
+touch = jax.jit(BP.touch)
+cache = jax.jit(BP.cache_blocks)
+HASHES = [np.array([h, 3 * h + 1, 7, 9], np.uint32) for h in range(4)]
+KEYS = jnp.asarray(np.stack(HASHES))
+lookup = jax.jit(BP.pc.lookup)
+
+op = st.one_of(
+    st.tuples(st.just("get"), st.integers(0, K)),
+    st.tuples(st.just("free"), st.lists(st.integers(1, N - 1), max_size=K, unique=True)),
+    st.tuples(st.just("touch"), st.lists(st.integers(1, N - 1), max_size=K, unique=True)),
+    st.tuples(st.just("cache"), st.lists(st.tuples(st.integers(1, N - 1), st.integers(0, 3)), max_size=K,
+                                         unique_by=lambda x: x[0])),
+)
+
+
+def pad(xs, n=K):
+    return jnp.array(list(xs) + [0] * (n - len(xs)), jnp.int32)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(op, min_size=3, max_size=30))
+def test_block_pool_matches_the_model(ops):
+    model = PyAllocator(plan([FullAttentionSpec(name="l", num_kv_heads=1, head_size=8)], num_blocks=N), 64)
+    state = BP.init_block_pool(N)
+    for kind, arg in ops:
+        if kind == "get":
+            if arg > model.num_free_blocks:
+                continue
+            state, ids = get(state, jnp.int32(arg), K)
+            assert list(np.asarray(ids[:arg])) == model._pop_free(arg)
+        elif kind == "free":
+            held = [b for b in arg if model.ref[b] > 0]
+            state = free(state, pad(held))
+            model._free_blocks(held)
+        elif kind == "touch":
+            state = touch(state, pad(arg))
+            model._touch(arg)
+        else:
+            held = [(b, h) for b, h in arg if model.ref[b] > 0]  # only computed (held) blocks get cached
+            hs = np.zeros((K, 4), np.uint32)
+            for i, (b, h) in enumerate(held):
+                hs[i] = HASHES[h]
+                model._evict(b)
+                model.hash[b] = (h, 0)
+                model.cache.setdefault((h, 0), []).append(b)
+            state = cache(state, pad([b for b, _ in held]), jnp.asarray(hs), jnp.int32(0))
+        order = np.argsort(np.asarray(state.pool.rank))[: int(state.pool.num_free)]
+        assert list(order) == model.free_queue
+        assert list(np.asarray(state.pool.ref_count)) == model.ref
+        got = np.asarray(lookup(state.cache, KEYS, jnp.zeros(len(HASHES), jnp.int32)))
+        assert list(got) == [model.cache.get((h, 0), [0])[0] for h in range(4)]
