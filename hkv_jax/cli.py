@@ -45,12 +45,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_replay(args: argparse.Namespace) -> int:
     from hkv_jax.allocator.replay import replay_file
 
-    result = replay_file(args.trace, args.output, policy=args.policy)
+    result = replay_file(args.trace, args.output, policy=args.policy, engine=args.engine)
     events = result["events"]
     failed = sum(1 for e in events if e.get("ok") is False)
     hits = sum(e.get("cache_hit_tokens", 0) for e in events)
     print(f"{args.trace}: {len(events)} events, {failed} refused, {hits} cache-hit tokens, "
-          f"{len(result['kv_cache_config']['groups'])} groups (policy {args.policy})"
+          f"{len(result['kv_cache_config']['groups'])} groups (policy {args.policy}, engine {args.engine})"
           + (f" -> {args.output}" if args.output else ""))
     return 0
 
@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("trace", help="trace file (format: shared/trace-format.md)")
     r.add_argument("-o", "--output", help="write the result JSON here (compare with shared/tools/compare_replay.py)")
     r.add_argument("--policy", choices=POLICIES, default="vllm", help="planner policy (default vllm: the conformance mode)")
+    r.add_argument("--engine", choices=("jax", "model"), default="jax",
+                   help="jax: the jitted allocator (default); model: the plain-Python statement of the rules")
     r.set_defaults(func=_cmd_replay)
     return parser
 

@@ -17,11 +17,12 @@ def test_there_are_traces():
     require_traces()
 
 
+@pytest.mark.parametrize("engine", ["jax", "model"])
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: p.stem)
-def test_trace_matches_vllm_strictly(path, tmp_path):
+def test_trace_matches_vllm_strictly(path, engine, tmp_path):
     trace, _ = load_trace(path)
     out = tmp_path / "result.json"
-    out.write_text(json.dumps(run_trace(trace)))
+    out.write_text(json.dumps(run_trace(trace, engine=engine)))
     proc = subprocess.run([sys.executable, str(COMPARE), str(path.with_suffix(".expected.json")), str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -33,7 +34,7 @@ def test_min_waste_policy_replays_identically_where_it_groups_alike():
     same = 0
     for path in TRACES:
         trace, _ = load_trace(path)
-        a, b = run_trace(trace, "vllm"), run_trace(trace, "min-waste")
+        a, b = run_trace(trace, "vllm", "model"), run_trace(trace, "min-waste", "model")
         if a["kv_cache_config"]["groups"] == b["kv_cache_config"]["groups"]:
             same += 1
             assert a["events"] == b["events"], path.name
@@ -43,7 +44,7 @@ def test_min_waste_policy_replays_identically_where_it_groups_alike():
 def test_hkv_replay_cli(tmp_path, capsys):
     require_traces()
     out = tmp_path / "r.json"
-    assert main(["replay", str(TRACES[0]), "-o", str(out)]) == 0
+    assert main(["replay", str(TRACES[0]), "-o", str(out), "--engine", "model"]) == 0
     assert json.loads(out.read_text())["events"]
     assert "events" in capsys.readouterr().out
 

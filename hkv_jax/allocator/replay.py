@@ -1,15 +1,17 @@
-"""``hkv replay``: run a trace (``shared/trace-format.md``) through an allocator, write the result."""
+"""``hkv replay``: run a trace (``shared/trace-format.md``) through the allocator, write the result."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from hkv_jax.allocator.kv_cache_manager import KVCacheManager
 from hkv_jax.allocator.pymodel import PyAllocator
 from hkv_jax.planner import plan
 from hkv_jax.spec import layers_from_trace
 
 OPS = ("add", "schedule", "free", "preempt", "reset_prefix_cache")
+ENGINES = ("jax", "model")
 
 
 def trace_config(trace: dict[str, Any], policy: str = "vllm"):
@@ -20,10 +22,20 @@ def trace_config(trace: dict[str, Any], policy: str = "vllm"):
     return plan(layers_from_trace(trace), block_size=trace["block_size"], policy=policy, num_blocks=trace["num_blocks"])
 
 
-def run_trace(trace: dict[str, Any], policy: str = "vllm") -> dict[str, Any]:
-    """Replay every event of ``trace``; returns the result object of trace-format section 3."""
+def run_trace(trace: dict[str, Any], policy: str = "vllm", engine: str = "jax") -> dict[str, Any]:
+    """Replay every event of ``trace``; returns the result object of trace-format section 3.
+
+    ``engine``: ``jax`` (the jitted allocator, ``KVCacheManager``) or ``model``
+    (the plain-Python statement of the rules, ``PyAllocator``).
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     cfg = trace_config(trace, policy)
-    alloc = PyAllocator(cfg, trace["max_model_len"])
+    if engine == "jax":
+        num_requests = sum(1 for evs in trace["steps"] for ev in evs if ev.get("op") == "add")
+        alloc = KVCacheManager(cfg, trace["max_model_len"], max_requests=max(1, num_requests))
+    else:
+        alloc = PyAllocator(cfg, trace["max_model_len"])
     events = []
     for step, evs in enumerate(trace["steps"]):
         alloc.new_step()
@@ -56,7 +68,7 @@ def run_trace(trace: dict[str, Any], policy: str = "vllm") -> dict[str, Any]:
             events.append(res)
     return {
         "workload_name": trace.get("name"),
-        "engine": "hkv-jax pymodel",
+        "engine": f"hkv-jax {engine}",
         "policy": policy,
         "kv_cache_config": {
             "num_blocks": cfg.num_blocks,
@@ -72,14 +84,14 @@ def run_trace(trace: dict[str, Any], policy: str = "vllm") -> dict[str, Any]:
     }
 
 
-def replay_file(path: str, out: str | None, policy: str = "vllm") -> dict[str, Any]:
+def replay_file(path: str, out: str | None, policy: str = "vllm", engine: str = "jax") -> dict[str, Any]:
     """Replay the trace at ``path``; write the result to ``out`` when given."""
     try:
         with open(path) as f:
             trace = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
-    result = run_trace(trace, policy)
+    result = run_trace(trace, policy, engine)
     if out:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)

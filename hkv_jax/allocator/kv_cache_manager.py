@@ -1,0 +1,152 @@
+"""``KVCacheManager``: a thin host-side object over the jitted allocator, with vLLM-like methods.
+
+Request ids map to slots of the fixed-shape ``AllocatorState``; each method is
+one jitted call. ``state`` is an immutable pytree: keep a reference to it to
+snapshot the allocator, assign it back (``restore``) to roll back.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hkv_jax.allocator import ops
+from hkv_jax.allocator.state import AllocatorState, Layout, init_state
+from hkv_jax.planner import KVCacheConfig
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_ops(layout: Layout, donate: bool = False) -> dict[str, Any]:
+    """The operations of ``ops`` jitted for ``layout`` (compiled once per layout)."""
+    d = (1,) if donate else ()
+    return {
+        "add": jax.jit(ops.add_request, static_argnums=0, donate_argnums=d),
+        "append": jax.jit(ops.append_token, static_argnums=0, donate_argnums=d),
+        "schedule": jax.jit(ops.schedule, static_argnums=0, donate_argnums=d),
+        "free": jax.jit(ops.free, static_argnums=0, donate_argnums=d),
+        "preempt": jax.jit(ops.preempt, static_argnums=0, donate_argnums=d),
+        "reset": jax.jit(ops.reset_prefix_cache, static_argnums=0, donate_argnums=d),
+        "new_step": jax.jit(ops.new_step, static_argnums=0, donate_argnums=d),
+    }
+
+
+class KVCacheManager:
+    """Allocator for one ``KVCacheConfig``: ``max_requests`` concurrent requests of up to ``max_model_len`` tokens.
+
+    With ``donate=True`` every call updates the state's buffers in place; a
+    state you kept a reference to is then invalid (use ``snapshot()``).
+    """
+
+    def __init__(self, cfg: KVCacheConfig, max_model_len: int, max_requests: int = 64, donate: bool = False):
+        self.cfg = cfg
+        self.layout = Layout.from_config(cfg, max_model_len, max_requests)
+        self.state: AllocatorState = init_state(self.layout)
+        self._ops = jitted_ops(self.layout, donate)
+        self._donate = donate
+        self._slots: dict[str, int] = {}
+        self._free_slots = list(range(max_requests - 1, -1, -1))
+
+    # -- snapshots ------------------------------------------------------------------------------
+    def snapshot(self) -> tuple[AllocatorState, dict[str, int], list[int]]:
+        """The whole allocator (state and request slots), safe to keep across calls."""
+        state = jax.tree.map(jnp.copy, self.state) if self._donate else self.state
+        return state, dict(self._slots), list(self._free_slots)
+
+    def restore(self, snap: tuple[AllocatorState, dict[str, int], list[int]]) -> None:
+        """Roll back to a snapshot."""
+        state, slots, free_slots = snap
+        self.state = jax.tree.map(jnp.copy, state) if self._donate else state
+        self._slots, self._free_slots = dict(slots), list(free_slots)
+
+    # -- requests -------------------------------------------------------------------------------
+    def _slot(self, rid: str) -> int:
+        try:
+            return self._slots[rid]
+        except KeyError:
+            raise ValueError(f"unknown request {rid!r}") from None
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached or not), null block excluded."""
+        return int(self.state.bp.pool.num_free)
+
+    def add(self, rid: str, prompt: list[int], salt: int = 0) -> None:
+        """A new waiting request (no blocks taken)."""
+        if rid in self._slots:
+            raise ValueError(f"request {rid!r} exists")
+        if not prompt or len(prompt) > self.layout.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens: need 1..{self.layout.max_model_len}")
+        if not self._free_slots:
+            raise ValueError(f"all {self.layout.max_requests} request slots are in use")
+        slot = self._free_slots.pop()
+        toks = np.zeros(self.layout.max_model_len, np.int32)
+        toks[: len(prompt)] = prompt
+        self.state = self._ops["add"](self.layout, self.state, slot, toks, len(prompt), np.uint32(salt))
+        self._slots[rid] = slot
+
+    def schedule(self, rid: str, num_tokens: int | str = "all", output_token: int | None = None) -> dict[str, Any]:
+        """Allocate slots for ``num_tokens`` more tokens (``"all"``: the rest); trace-format result fields.
+
+        When the call completes the known tokens and ``output_token`` is given, it is appended.
+        """
+        slot = self._slot(rid)
+        was_waiting = int(self.state.status[slot]) == 1
+        before = int(self.state.num_computed[slot])
+        want = -1 if num_tokens == "all" else int(num_tokens)
+        if want == 0 or want < -1:
+            raise ValueError(f"num_tokens must be positive or 'all', got {num_tokens!r}")
+        self.state, r = self._ops["schedule"](self.layout, self.state, slot, want)
+        r = jax.device_get(r)
+        res: dict[str, Any] = {"num_computed_tokens_before": before}
+        if was_waiting:
+            h = int(r.cache_hit_tokens)
+            res.update(cache_hit_tokens=h, shared_prefix_boundary=int(r.shared_prefix_boundary),
+                       hit_block_ids=[list(map(int, row[: h // self.layout.block_size])) for row in r.hit_blocks])
+        res["num_new_tokens"] = int(r.num_new_tokens)
+        if int(r.num_new_tokens) <= 0:
+            raise ValueError(f"nothing to schedule for request {rid!r}")
+        res["ok"] = bool(r.ok)
+        if not r.ok:
+            return res
+        tables, lens = jax.device_get((self.state.tables[slot], self.state.table_len[slot]))
+        res["new_block_ids"] = [list(map(int, t[f:n])) for t, f, n in zip(tables, r.first_new, lens)]
+        res["num_computed_tokens"] = int(self.state.num_computed[slot])
+        res["block_table"] = [list(map(int, t[:n])) for t, n in zip(tables, lens)]
+        if res["num_computed_tokens"] >= int(self.state.num_tokens[slot]) and output_token is not None:
+            self.append_token(rid, output_token)
+            res["sampled_tokens"] = [int(output_token)]
+        return res
+
+    def append_token(self, rid: str, token: int) -> None:
+        """Append a sampled token to a request."""
+        slot = self._slot(rid)
+        if int(self.state.num_tokens[slot]) >= self.layout.max_model_len:
+            raise ValueError(f"request {rid!r} is at max_model_len ({self.layout.max_model_len})")
+        self.state = self._ops["append"](self.layout, self.state, slot, int(token))
+
+    def free(self, rid: str) -> None:
+        """Release every block of a request and forget it."""
+        slot = self._slot(rid)
+        self.state = self._ops["free"](self.layout, self.state, slot)
+        del self._slots[rid]
+        self._free_slots.append(slot)
+
+    def preempt(self, rid: str) -> None:
+        """Release a running request's blocks; it waits again with its tokens kept."""
+        slot = self._slot(rid)
+        if int(self.state.status[slot]) != 2:
+            raise ValueError(f"request {rid!r} is not running")
+        self.state = self._ops["preempt"](self.layout, self.state, slot)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cache entry if no block is held."""
+        self.state, ok = self._ops["reset"](self.layout, self.state)
+        return bool(ok)
+
+    def new_step(self) -> None:
+        """A scheduler step begins."""
+        self.state = self._ops["new_step"](self.layout, self.state)

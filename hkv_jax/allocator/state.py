@@ -1,0 +1,130 @@
+"""``AllocatorState``: everything the allocator knows, as one pytree of fixed-shape arrays.
+
+Shapes are fixed by a ``Layout`` (static): ``R`` request slots, ``G`` KV cache
+groups, ``M`` table entries per request and group, ``N`` blocks, ``T`` tokens
+per request (``max_model_len``), ``H = T // block_size`` block hashes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from hkv_jax.allocator import block_pool as BP
+from hkv_jax.planner import KVCacheConfig, cdiv
+from hkv_jax.spec import FullAttentionSpec, MambaSpec
+
+# Request slot status.
+EMPTY, WAITING, RUNNING = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Static shapes and per-group rules of one allocator (hashable: usable as a jit static argument)."""
+
+    groups: tuple  # tuple[KVCacheGroup, ...]
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_requests: int
+    max_blocks: int  # table entries per request and group
+    spec_groups: tuple[tuple[int, ...], ...]  # groups looked up together; full attention first
+    simple_hybrid: bool  # exactly two spec groups, the first full attention: one coordinator pass
+
+    @staticmethod
+    def from_config(cfg: KVCacheConfig, max_model_len: int, max_requests: int) -> "Layout":
+        """The layout of ``cfg``; raises ``ValueError`` for what the jitted allocator does not support yet."""
+        sizes = {g.block_size for g in cfg.groups}
+        if len(sizes) != 1:
+            raise ValueError(f"the jitted allocator needs one block size for all groups, got {sorted(sizes)}")
+        if any(g.blocks_per_state != 1 for g in cfg.groups):
+            raise ValueError("the jitted allocator does not yet support Mamba states spanning several blocks")
+        if max_requests < 1 or max_model_len < 1:
+            raise ValueError("max_requests and max_model_len must be positive")
+        spec_groups: list[list[int]] = []
+        for g in cfg.groups:
+            for sg in spec_groups:
+                if cfg.groups[sg[0]].spec == g.spec:
+                    sg.append(g.group_id)
+                    break
+            else:
+                spec_groups.append([g.group_id])
+        spec_groups.sort(key=lambda sg: not isinstance(cfg.groups[sg[0]].spec, FullAttentionSpec))
+        bs = sizes.pop()
+        return Layout(
+            groups=cfg.groups,
+            num_blocks=cfg.num_blocks,
+            block_size=bs,
+            max_model_len=max_model_len,
+            max_requests=max_requests,
+            max_blocks=cdiv(max_model_len, bs) + 1,
+            spec_groups=tuple(tuple(sg) for sg in spec_groups),
+            simple_hybrid=len(spec_groups) == 2 and isinstance(cfg.groups[spec_groups[0][0]].spec, FullAttentionSpec),
+        )
+
+    @property
+    def num_groups(self) -> int:
+        """G."""
+        return len(self.groups)
+
+    def is_mamba(self, g: int) -> bool:
+        """Whether group ``g`` holds Mamba states."""
+        return isinstance(self.groups[g].spec, MambaSpec)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AllocatorState:
+    """The allocator's state.
+
+    Fields:
+      bp: the block pool (free queue + prefix cache).
+      step_cached: ``bool[num_slots]`` prefix-cache keys a Mamba group cached during the current step.
+      status: ``i32[R]`` EMPTY / WAITING / RUNNING per request slot.
+      tokens: ``i32[R, T]`` known tokens of each request; ``num_tokens``: ``i32[R]``.
+      salt: ``u32[R, 1]`` cache salt (keys the first block's hash).
+      hashes: ``u32[R, H, 4]`` hashes of the full blocks of the known tokens.
+      num_computed: ``i32[R]`` tokens with KV in the cache.
+      tables: ``i32[R, G, M]`` block tables (0 = null block); ``table_len``: ``i32[R, G]``.
+      num_cached: ``i32[R, G]`` leading table entries already entered in the prefix cache.
+      last_state: ``i32[R, G]`` Mamba: table index of the previous state block, -1 if none.
+      retired: ``i32[R, G]`` Mamba: table entries below this index were released.
+    """
+
+    bp: BP.BlockPoolState
+    step_cached: jax.Array
+    status: jax.Array
+    tokens: jax.Array
+    num_tokens: jax.Array
+    salt: jax.Array
+    hashes: jax.Array
+    num_computed: jax.Array
+    tables: jax.Array
+    table_len: jax.Array
+    num_cached: jax.Array
+    last_state: jax.Array
+    retired: jax.Array
+
+
+def init_state(layout: Layout) -> AllocatorState:
+    """An empty allocator: every block free, no request, nothing cached."""
+    R, G, M, T = layout.max_requests, layout.num_groups, layout.max_blocks, layout.max_model_len
+    bp = BP.init_block_pool(layout.num_blocks)
+    zeros_rg = jnp.zeros((R, G), jnp.int32)
+    return AllocatorState(
+        bp=bp,
+        step_cached=jnp.zeros(bp.cache.group.shape[0], bool),
+        status=jnp.zeros(R, jnp.int32),
+        tokens=jnp.zeros((R, T), jnp.int32),
+        num_tokens=jnp.zeros(R, jnp.int32),
+        salt=jnp.zeros((R, 1), jnp.uint32),
+        hashes=jnp.zeros((R, T // layout.block_size, 4), jnp.uint32),
+        num_computed=jnp.zeros(R, jnp.int32),
+        tables=jnp.zeros((R, G, M), jnp.int32),
+        table_len=zeros_rg,
+        num_cached=zeros_rg,
+        last_state=zeros_rg - 1,
+        retired=zeros_rg,
+    )
