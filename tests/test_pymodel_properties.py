@@ -1,9 +1,7 @@
-"""Stateful property test of the allocator model: random add / schedule / free / preempt / reset sequences
-on hybrid models, with the pool invariants of SEMANTICS.md checked after every step.
-
-The same machine will drive the jitted allocator against this model once it exists; here it checks the
-model itself (and that a refused allocation changes nothing for a waiting request). Set
-HKV_HYPOTHESIS_PROFILE=nightly for a longer run.
+"""Stateful property test: random add / schedule / free / preempt / reset / new-step sequences on hybrid
+models drive the jitted allocator (``KVCacheManager``) and the plain-Python model (``PyAllocator``) side by
+side. After every step the two must agree (results, free-queue order, ref counts, tables, cached blocks) and
+the pool invariants of SEMANTICS.md must hold. Set HKV_HYPOTHESIS_PROFILE=nightly for a longer run.
 """
 
 import copy
@@ -13,17 +11,21 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import numpy as np
+
+from hkv_jax.allocator.kv_cache_manager import KVCacheManager
 from hkv_jax.allocator.pymodel import NULL, RUNNING, WAITING, PyAllocator
 from hkv_jax.planner import plan
 from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-settings.register_profile("ci", max_examples=2000, stateful_step_count=30, deadline=None,
+settings.register_profile("ci", max_examples=1000, stateful_step_count=25, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("nightly", max_examples=5000, stateful_step_count=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HKV_HYPOTHESIS_PROFILE", "ci"))
 
 BS = 4
+MAX_REQUESTS = 6
 MODELS = {
     "sw+full": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
                 SlidingWindowSpec(name="s", num_kv_heads=1, head_size=8, sliding_window=6)],
@@ -39,20 +41,24 @@ class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.alloc = None
+        self.jax = None
         self.next_id = 0
 
     @precondition(lambda self: self.alloc is None)
-    @rule(model=st.sampled_from(sorted(MODELS)), blocks=st.integers(6, 24))
-    def setup(self, model, blocks):
-        cfg = plan(MODELS[model], block_size=BS, policy="vllm", num_blocks=blocks)
+    @rule(model=st.sampled_from(sorted(MODELS)))
+    def setup(self, model):
+        # One pool size per model, so that the jitted operations compile once per model.
+        cfg = plan(MODELS[model], block_size=BS, policy="vllm", num_blocks=10)
         self.alloc = PyAllocator(cfg, max_model_len=48)
+        self.jax = KVCacheManager(cfg, max_model_len=48, max_requests=MAX_REQUESTS)
 
-    @precondition(lambda self: self.alloc is not None)
+    @precondition(lambda self: self.alloc is not None and len(self.alloc.requests) < MAX_REQUESTS)
     @rule(prefix=st.integers(0, 3), extra=st.lists(st.integers(1, 3), min_size=1, max_size=20))
     def add(self, prefix, extra):
         # Prompts share one of a few prefixes so that lookups hit.
-        prompt = ([5, 6, 7, 8, 9, 10, 11, 12] * 2)[: prefix * 4] + extra
-        self.alloc.add(f"r{self.next_id}", prompt[:40])
+        prompt = (([5, 6, 7, 8, 9, 10, 11, 12] * 2)[: prefix * 4] + extra)[:40]
+        self.alloc.add(f"r{self.next_id}", prompt)
+        self.jax.add(f"r{self.next_id}", prompt)
         self.next_id += 1
 
     @precondition(lambda self: self.alloc is not None and self.alloc.requests)
@@ -64,6 +70,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         before = copy.deepcopy((self.alloc.ref, self.alloc.free_queue, self.alloc.cache, self.alloc.hash))
         res = self.alloc.schedule(rid, chunk, token)
+        assert self.jax.schedule(rid, chunk, token) == res
         if not res["ok"] and r.status == WAITING:
             # A refused first schedule takes nothing.
             assert before == (self.alloc.ref, self.alloc.free_queue, self.alloc.cache, self.alloc.hash)
@@ -73,24 +80,48 @@ class AllocatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.alloc is not None and self.alloc.requests)
     @rule(data=st.data())
     def free(self, data):
-        self.alloc.free(data.draw(st.sampled_from(sorted(self.alloc.requests))))
+        rid = data.draw(st.sampled_from(sorted(self.alloc.requests)))
+        self.alloc.free(rid)
+        self.jax.free(rid)
 
     @precondition(lambda self: self.alloc is not None and any(r.status == RUNNING for r in self.alloc.requests.values()))
     @rule(data=st.data())
     def preempt(self, data):
         running = sorted(k for k, r in self.alloc.requests.items() if r.status == RUNNING)
-        self.alloc.preempt(data.draw(st.sampled_from(running)))
+        rid = data.draw(st.sampled_from(running))
+        self.alloc.preempt(rid)
+        self.jax.preempt(rid)
 
     @precondition(lambda self: self.alloc is not None)
     @rule()
     def reset(self):
         held = any(any(t) for r in self.alloc.requests.values() for t in r.tables)
         assert self.alloc.reset_prefix_cache() == (not held)
+        assert self.jax.reset_prefix_cache() == (not held)
 
     @precondition(lambda self: self.alloc is not None)
     @rule()
     def new_step(self):
         self.alloc.new_step()
+        self.jax.new_step()
+
+    @invariant()
+    def jitted_allocator_agrees_with_the_model(self):
+        if self.alloc is None:
+            return
+        a, st = self.alloc, self.jax.state
+        assert self.jax.num_free_blocks == a.num_free_blocks
+        order = np.argsort(np.asarray(st.bp.pool.rank), kind="stable")[: a.num_free_blocks]
+        assert list(order) == a.free_queue
+        assert list(np.asarray(st.bp.pool.ref_count)) == a.ref
+        cached = np.asarray(st.bp.cache.block_slot) >= 0
+        assert [bool(c) for c in cached] == [h is not None for h in a.hash]
+        for rid, r in a.requests.items():
+            slot = self.jax._slots[rid]
+            lens = np.asarray(st.table_len[slot])
+            assert [list(np.asarray(st.tables[slot, g, :n])) for g, n in enumerate(lens)] == r.tables
+            assert int(st.num_computed[slot]) == r.num_computed
+            assert int(st.num_tokens[slot]) == len(r.tokens)
 
     @invariant()
     def pool_is_consistent(self):

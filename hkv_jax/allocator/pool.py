@@ -71,7 +71,9 @@ def pop_free(pool: BlockPool, count: jax.Array, max_count: int) -> tuple[BlockPo
     ``count``. The caller checks ``count <= num_free`` first (all-or-nothing
     allocation); the taken blocks get ref count 1.
     """
-    _, ids = jax.lax.top_k(-pool.rank, max_count)
+    k = min(max_count, pool.num_blocks)  # a request may want more entries than the pool has blocks
+    _, ids = jax.lax.top_k(-pool.rank, k)
+    ids = jnp.pad(ids, (0, max_count - k))
     take = jnp.arange(max_count) < count
     ids = jnp.where(take, ids, 0).astype(jnp.int32)
     # Scatter with a dump slot for the untaken lanes so that block 0 is never touched.
