@@ -112,7 +112,9 @@ def init_state(layout: Layout) -> AllocatorState:
     """An empty allocator: every block free, no request, nothing cached."""
     R, G, M, T = layout.max_requests, layout.num_groups, layout.max_blocks, layout.max_model_len
     bp = BP.init_block_pool(layout.num_blocks)
-    zeros_rg = jnp.zeros((R, G), jnp.int32)
+    def zeros_rg():  # separate buffers: donation must not see one array twice
+        return jnp.zeros((R, G), jnp.int32)
+
     return AllocatorState(
         bp=bp,
         step_cached=jnp.zeros(bp.cache.group.shape[0], bool),
@@ -123,8 +125,8 @@ def init_state(layout: Layout) -> AllocatorState:
         hashes=jnp.zeros((R, T // layout.block_size, 4), jnp.uint32),
         num_computed=jnp.zeros(R, jnp.int32),
         tables=jnp.zeros((R, G, M), jnp.int32),
-        table_len=zeros_rg,
-        num_cached=zeros_rg,
-        last_state=zeros_rg - 1,
-        retired=zeros_rg,
+        table_len=zeros_rg(),
+        num_cached=zeros_rg(),
+        last_state=zeros_rg() - 1,
+        retired=zeros_rg(),
     )

@@ -1,0 +1,95 @@
+"""The jitted allocator's promises beyond conformance: failure takes nothing, snapshots stay valid."""
+
+import jax
+import numpy as np
+import pytest
+
+from hkv_jax.allocator.kv_cache_manager import KVCacheManager
+from hkv_jax.planner import plan
+from hkv_jax.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+LAYERS = [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
+          SlidingWindowSpec(name="s", num_kv_heads=1, head_size=8, sliding_window=8)]
+
+
+def manager(num_blocks=12, donate=False, layers=LAYERS):
+    return KVCacheManager(plan(layers, block_size=4, policy="vllm", num_blocks=num_blocks), max_model_len=64,
+                          max_requests=4, donate=donate)
+
+
+def leaves(state):
+    return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def test_failed_first_schedule_changes_nothing():
+    m = manager()
+    m.add("a", list(range(1, 21)))
+    assert m.schedule("a", "all", 7)["ok"]
+    m.free("a")  # its blocks stay cached in the free queue
+    m.add("big", list(range(1, 21)) + list(range(100, 140)))
+    before = leaves(m.state)
+    res = m.schedule("big", "all", 1)
+    assert res["ok"] is False and res["cache_hit_tokens"] == 20
+    assert all((x == y).all() for x, y in zip(before, leaves(m.state)))
+
+
+def test_failed_running_schedule_only_releases_out_of_window_blocks():
+    m = manager(num_blocks=16)
+    m.add("a", list(range(1, 9)))
+    res = m.schedule("a", "all", None)
+    slot = m._slots["a"]
+    while res["ok"]:  # grow by 8 tokens a call until the pool runs dry
+        for t in range(8):
+            m.append_token("a", 50 + t)
+        before = m.state
+        res = m.schedule("a", "all", None)
+    freed = int(m.state.bp.pool.num_free) - int(before.bp.pool.num_free)
+    assert freed == 2  # the two sliding-window blocks that left the window since the last call
+    tb, ta = np.asarray(before.tables), np.asarray(m.state.tables)
+    changed = tb != ta
+    assert changed.sum() == freed and (ta[changed] == 0).all() and changed[:, 1].sum() == freed
+    assert int(m.state.num_computed[slot]) == int(before.num_computed[slot])
+    same = ["status", "tokens", "num_tokens", "hashes", "num_computed", "table_len", "num_cached", "step_cached"]
+    assert all((np.asarray(getattr(before, f)) == np.asarray(getattr(m.state, f))).all() for f in same)
+    assert all((np.asarray(x) == np.asarray(y)).all()
+               for x, y in zip(jax.tree.leaves(before.bp.cache), jax.tree.leaves(m.state.bp.cache)))
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_snapshot_and_rollback_are_exact(donate):
+    m = manager(donate=donate)
+    m.add("a", list(range(1, 30)))
+    assert m.schedule("a", 12, None)["ok"]
+    snap = m.snapshot()
+    first = [m.schedule("a", 8, None), m.schedule("a", "all", 3), m.schedule("a", 1, None)]
+    after = leaves(m.state)
+    m.restore(snap)
+    again = [m.schedule("a", 8, None), m.schedule("a", "all", 3), m.schedule("a", 1, None)]
+    assert first == again
+    assert all((x == y).all() for x, y in zip(after, leaves(m.state)))
+    # The snapshot itself is still readable after donated calls.
+    assert int(snap[0].num_computed[snap[1]["a"]]) == 12
+
+
+def test_bad_input_raises_and_keeps_state():
+    m = manager()
+    with pytest.raises(ValueError, match="unknown request"):
+        m.schedule("ghost")
+    with pytest.raises(ValueError, match="prompt"):
+        m.add("x", [])
+    m.add("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="exists"):
+        m.add("a", [1])
+    with pytest.raises(ValueError, match="not running"):
+        m.preempt("a")
+    with pytest.raises(ValueError, match="num_tokens"):
+        m.schedule("a", 0)
+    assert m.schedule("a", "all", 4)["ok"]
+
+
+def test_unsupported_layouts_are_refused_clearly():
+    mixed = [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
+             MambaSpec(name="m", shapes=[[64, 64]], dtypes=["float32"])]
+    cfg = plan(mixed, block_size=4, policy="min-waste", num_blocks=10)
+    with pytest.raises(ValueError, match="spanning"):
+        KVCacheManager(cfg, max_model_len=32)
