@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import numpy as np
 
 from hkv_jax.allocator.kv_cache_manager import KVCacheManager
+from hkv_jax.allocator.pool import queue_order
 from hkv_jax.allocator.pymodel import NULL, RUNNING, WAITING, PyAllocator
 from hkv_jax.planner import plan
 from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -111,8 +112,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         a, st = self.alloc, self.jax.state
         assert self.jax.num_free_blocks == a.num_free_blocks
-        order = np.argsort(np.asarray(st.bp.pool.rank), kind="stable")[: a.num_free_blocks]
-        assert list(order) == a.free_queue
+        assert queue_order(st.bp.pool) == a.free_queue
         assert list(np.asarray(st.bp.pool.ref_count)) == a.ref
         cached = np.asarray(st.bp.cache.block_slot) >= 0
         assert [bool(c) for c in cached] == [h is not None for h in a.hash]

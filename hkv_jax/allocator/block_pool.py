@@ -33,13 +33,14 @@ def init_block_pool(num_blocks: int) -> BlockPoolState:
 def get_new_blocks(state: BlockPoolState, count: jax.Array, max_count: int) -> tuple[BlockPoolState, jax.Array]:
     """Pop ``count`` blocks (``<= max_count``, static) from the queue head, evicting their cache entries."""
     pool, ids = P.pop_free(state.pool, count, max_count)
-    cache = jax.lax.fori_loop(0, max_count, lambda i, c: pc.evict(c, ids[i]), state.cache)
+    cache = jax.lax.fori_loop(0, jnp.minimum(count, max_count), lambda i, c: pc.evict(c, ids[i]), state.cache)
     return BlockPoolState(pool=pool, cache=cache), ids
 
 
 def free_blocks(state: BlockPoolState, blocks: jax.Array) -> BlockPoolState:
     """Drop one reference from each non-null id in ``blocks`` (eviction priority order)."""
-    return BlockPoolState(pool=P.free_ordered(state.pool, blocks, pc.is_cached(state.cache)), cache=state.cache)
+    cached = state.cache.block_slot[jnp.maximum(blocks, 0)] >= 0
+    return BlockPoolState(pool=P.free_ordered(state.pool, blocks, cached), cache=state.cache)
 
 
 def touch(state: BlockPoolState, blocks: jax.Array) -> BlockPoolState:
@@ -47,11 +48,16 @@ def touch(state: BlockPoolState, blocks: jax.Array) -> BlockPoolState:
     return BlockPoolState(pool=P.touch(state.pool, blocks), cache=state.cache)
 
 
-def cache_blocks(state: BlockPoolState, blocks: jax.Array, hashes: jax.Array, group: jax.Array) -> BlockPoolState:
-    """Enter each non-null ``blocks[i]`` under (``hashes[i]``, ``group``), replacing an older entry of that block."""
+def cache_blocks(state: BlockPoolState, blocks: jax.Array, hashes: jax.Array, group: jax.Array,
+                 lo: jax.Array | int = 0, hi: jax.Array | int | None = None) -> BlockPoolState:
+    """Enter each non-null ``blocks[i]``, ``lo <= i < hi``, under (``hashes[i]``, ``group``).
+
+    A block's older entry, if any, is replaced. The loop runs over ``[lo, hi)`` only.
+    """
+    hi = blocks.shape[0] if hi is None else hi
 
     def one(i, c):
         b = blocks[i]
         return pc.insert(pc.evict(c, b), b, hashes[i], group)
 
-    return BlockPoolState(pool=state.pool, cache=jax.lax.fori_loop(0, blocks.shape[0], one, state.cache))
+    return BlockPoolState(pool=state.pool, cache=jax.lax.fori_loop(lo, hi, one, state.cache))

@@ -9,12 +9,14 @@ Python (their rules are static); blocks and tables are arrays.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from hkv_jax.allocator import block_pool as BP
+from hkv_jax.allocator import pool as P
 from hkv_jax.allocator.hashing import SEED, block_hashes, hash_one_block
 from hkv_jax.allocator.managers import lookup, skipped_tokens
 from hkv_jax.allocator.state import EMPTY, RUNNING, WAITING, AllocatorState, Layout
@@ -80,28 +82,39 @@ def append_token(layout: Layout, state: AllocatorState, slot, token) -> Allocato
     return _replace(state, tokens=tokens, num_tokens=state.num_tokens.at[slot].set(n1), hashes=hashes)
 
 
-def _remove_skipped(layout: Layout, state: AllocatorState, slot, g: int, computed) -> AllocatorState:
-    """Release the blocks group ``g`` no longer needs after ``computed`` tokens (replaced by the null block)."""
+def _skip_row(layout: Layout, g: int, row, L, retired, last_state, computed):
+    """Group ``g``'s table after dropping the blocks it no longer needs after ``computed`` tokens.
+
+    Returns (row, retired, last_state, released ``i32[2, M]``): the blocks to release, as up to two
+    ordered free calls (the second only for a Mamba group's previous state block).
+    """
     spec, bs = layout.groups[g].spec, layout.block_size
-    row, L = state.tables[slot, g], state.table_len[slot, g]
     idx = jnp.arange(row.shape[0])
     skip = skipped_tokens(spec, computed)
     sb = jnp.where(skip > 0, jnp.minimum(skip // bs, L), 0)
     if layout.is_mamba(g):
-        first = state.retired[slot, g]
-        bp = BP.free_blocks(state.bp, _reversed_range(row, first, sb))
+        first = retired
+        freed = _reversed_range(row, first, sb)
         row = jnp.where((idx >= first) & (idx < sb), 0, row)
         retired = jnp.where(first < sb, sb, first)
-        ls = state.last_state[slot, g]
+        ls = last_state
         drop = (ls >= 0) & (ls < _cdiv(computed, bs) - 1) & (row[jnp.maximum(ls, 0)] != 0)
-        bp = BP.free_blocks(bp, jnp.where(drop, row[jnp.maximum(ls, 0)], 0)[None])
+        second = jnp.zeros_like(row).at[0].set(jnp.where(drop, row[jnp.maximum(ls, 0)], 0))
         row = jnp.where(drop & (idx == ls), 0, row)
-        return _set_row(_replace(state, bp=bp), slot, g, row, retired=retired)
+        return row, retired, last_state, jnp.stack([freed, second])
     # Walk back from the last skipped entry, stopping at the first null one (released earlier).
     last_null = jnp.max(jnp.where((idx < sb) & (row == 0), idx, -1))
-    bp = BP.free_blocks(state.bp, _reversed_range(row, last_null + 1, sb))
+    freed = _reversed_range(row, last_null + 1, sb)
     row = jnp.where((idx > last_null) & (idx < sb), 0, row)
-    return _set_row(_replace(state, bp=bp), slot, g, row)
+    return row, retired, last_state, jnp.stack([freed, jnp.zeros_like(row)])
+
+
+def _remove_skipped(layout: Layout, state: AllocatorState, slot, g: int, computed) -> AllocatorState:
+    """Release the blocks group ``g`` no longer needs after ``computed`` tokens (replaced by the null block)."""
+    row, retired, _, released = _skip_row(layout, g, state.tables[slot, g], state.table_len[slot, g],
+                                          state.retired[slot, g], state.last_state[slot, g], computed)
+    bp = BP.free_blocks(BP.free_blocks(state.bp, released[0]), released[1])
+    return _set_row(_replace(state, bp=bp), slot, g, row, retired=retired)
 
 
 class ScheduleResult(NamedTuple):
@@ -119,11 +132,9 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
     """Allocate slots for up to ``num_tokens`` (-1: all) more tokens of the request in ``slot``."""
     bs, G, M = layout.block_size, layout.num_groups, layout.max_blocks
     waiting = state.status[slot] == WAITING
-    hit_blocks, h, boundary = lookup(layout, state, slot)
-    h = jnp.where(waiting, h, 0)
-    hit_blocks = jnp.where(waiting, hit_blocks, 0)
-    boundary = jnp.where(waiting, boundary, 0)
-    H = hit_blocks.shape[1]
+    H = state.hashes.shape[1]
+    no_hit = (jnp.zeros((G, H), jnp.int32), jnp.int32(0), jnp.int32(0))
+    hit_blocks, h, boundary = jax.lax.cond(waiting, lambda: lookup(layout, state, slot), lambda: no_hit)
     hits = jnp.pad(hit_blocks, ((0, 0), (0, M - H)))  # i32[G, M]
     C, T = state.num_computed[slot], state.num_tokens[slot]
     remaining = T - C - h
@@ -173,15 +184,14 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
             if layout.is_mamba(g):
                 required = _cdiv(main, bs)
                 grow = required > L
-                bp, ids = BP.get_new_blocks(st.bp, jnp.where(grow, 1, 0), 1)
+                bp, ids = _pop(st.bp, jnp.where(grow, 1, 0), 1)
                 row = jnp.where(grow & (idx == required - 1), ids[0], row)
                 ls = jnp.where(grow & (L > 0), L - 1, st.last_state[slot, g])
                 st = _set_row(_replace(st, bp=bp), slot, g, row, jnp.where(grow, required, L), last_state=ls)
             else:
                 cnt = jnp.maximum(_cdiv(need, bs) - L, 0)
-                bp, ids = BP.get_new_blocks(st.bp, cnt, M)
-                pos = jnp.where(idx < cnt, L + idx, M)
-                row = jnp.append(row, 0).at[pos].set(ids)[:M]
+                bp, ids = _pop(st.bp, cnt, M)
+                row = row.at[jnp.where(idx < cnt, L + idx, M)].set(ids, mode="drop")
                 st = _set_row(_replace(st, bp=bp), slot, g, row, L + cnt)
         # Enter every newly filled block in the prefix cache (dense retention).
         nfull = jnp.minimum(jnp.minimum(computed + n, T), (T // bs) * bs) // bs
@@ -189,7 +199,7 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
         for g in range(G):
             row, before = st.tables[slot, g], st.num_cached[slot, g]
             new = jnp.where((idx >= before) & (idx < nfull), row, 0)
-            bp = BP.cache_blocks(st.bp, new, hashes, jnp.int32(g))
+            bp = BP.cache_blocks(st.bp, row, hashes, jnp.int32(g), before, jnp.maximum(before, nfull))
             step_cached = st.step_cached
             if layout.is_mamba(g):
                 key_slots = bp.cache.block_slot[new]
@@ -201,6 +211,12 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
 
     st, first_new = jax.lax.cond(ok, commit, lambda s: (s, s.table_len[slot]), st)
     return st, ScheduleResult(ok, n, h, boundary, hit_blocks, first_new)
+
+
+def _pop(bp: BP.BlockPoolState, count, max_count: int):
+    """``get_new_blocks``, skipped when nothing is wanted."""
+    return jax.lax.cond(count > 0, lambda: BP.get_new_blocks(bp, count, max_count),
+                        lambda: (bp, jnp.zeros(max_count, jnp.int32)))
 
 
 def _clear_tables(state: AllocatorState, slot) -> AllocatorState:
@@ -252,3 +268,154 @@ def new_step(layout: Layout, state: AllocatorState) -> AllocatorState:
     """A scheduler step begins: Mamba states cached in the previous step may now serve hits."""
     del layout
     return _replace(state, step_cached=jnp.zeros_like(state.step_cached))
+
+
+def add_batch(layout: Layout, state: AllocatorState, slots, tokens, num_tokens, salts) -> AllocatorState:
+    """``add_request`` for each row (``tokens`` ``i32[B, T]``), in order, in one program."""
+    def body(st, x):
+        return add_request(layout, st, *x), None
+
+    return jax.lax.scan(body, state, (slots, tokens, num_tokens, salts))[0]
+
+
+def schedule_batch(layout: Layout, state: AllocatorState, slots, num_tokens):
+    """``schedule`` for each request in order (one XLA program, same results as one call each).
+
+    Returns (state, ok ``bool[B]``, new tokens ``i32[B]``, cache-hit tokens ``i32[B]``).
+    """
+    def body(st, x):
+        st, r = schedule(layout, st, x[0], x[1])
+        return st, (r.ok, r.num_new_tokens, r.cache_hit_tokens)
+
+    state, (ok, n, h) = jax.lax.scan(body, state, (slots, num_tokens))
+    return state, ok, n, h
+
+
+def append_batch(layout: Layout, state: AllocatorState, slots, tokens) -> AllocatorState:
+    """``append_token`` for each (slot, token), in order."""
+    def body(st, x):
+        return append_token(layout, st, x[0], x[1]), None
+
+    return jax.lax.scan(body, state, (slots, tokens))[0]
+
+
+def decode_step(layout: Layout, state: AllocatorState, slots):
+    """Every request in ``slots`` (distinct, running) allocates slots for one more token: one vectorised program.
+
+    Same state and results as ``schedule_batch(slots, 1)``, computed for all requests at once: the
+    out-of-window releases of every (request, group) in call order, one pop from the queue head for
+    all new blocks, then the cache inserts. That order equals vLLM's request-by-request order when
+    the new blocks come from blocks already free before the step and no released block goes to the
+    queue front; otherwise (a nearly full pool, uncached releases) it falls back to
+    ``schedule_batch``. Returns (state, ok ``bool[B]``, whether the vectorised path ran).
+    """
+    bs, G, M, N = layout.block_size, layout.num_groups, layout.max_blocks, layout.num_blocks
+    B = slots.shape[0]
+    C, T = state.num_computed[slots], state.num_tokens[slots]
+    computed = jnp.minimum(C, layout.max_model_len)
+    main = computed + 1
+    need = jnp.minimum(main, layout.max_model_len)
+    rows, lens = state.tables[slots], state.table_len[slots]
+    retired, last_state = state.retired[slots], state.last_state[slots]
+    out = [jax.vmap(lambda r, l, rt, ls, c, g=g: _skip_row(layout, g, r, l, rt, ls, c))(
+        rows[:, g], lens[:, g], retired[:, g], last_state[:, g], computed) for g in range(G)]
+    rows = jnp.stack([o[0] for o in out], 1)
+    retired = jnp.stack([o[1] for o in out], 1)
+    released = jnp.stack([o[3] for o in out], 1).reshape(B * G * 2, M)  # free calls in vLLM's order
+
+    cnt = []
+    for g in range(G):
+        if layout.is_mamba(g):
+            cnt.append((_cdiv(main, bs) > lens[:, g]).astype(jnp.int32))
+        else:
+            cnt.append(jnp.maximum(_cdiv(need, bs) - lens[:, g], 0))
+    cnt = jnp.stack(cnt, 1)  # [B, G], each 0 or 1
+    total = jnp.sum(cnt)
+
+    pool, cache = state.bp.pool, state.bp.cache
+    flat = released.reshape(-1)
+    valid = flat > 0
+    fb = jnp.where(valid, flat, 0)
+    ref = pool.ref_count.at[jnp.where(valid, flat, N)].add(-1, mode="drop")
+    posn = jnp.arange(flat.shape[0])
+    last_occ = jnp.full(N, -1, jnp.int32).at[jnp.where(valid, flat, N)].max(posn, mode="drop")
+    now_free = valid & (ref[fb] == 0) & (last_occ[fb] == posn)
+    cached = cache.block_slot[fb] >= 0
+    to_front, to_back = now_free & ~cached, now_free & cached
+    nfull = jnp.minimum(jnp.minimum(C + 1, T), (T // bs) * bs) // bs
+    before = state.num_cached[slots]
+    fast = (
+        jnp.all(state.status[slots] == RUNNING) & jnp.all(T - C >= 1)
+        & (total <= pool.num_free) & ((total == 0) | ~jnp.any(to_front))
+        & jnp.all(nfull[:, None] - before <= 1)
+    )
+
+    def vectorised(state: AllocatorState):
+        n_front, n_back = jnp.sum(to_front, dtype=jnp.int32), jnp.sum(to_back, dtype=jnp.int32)
+        p = jax.lax.cond(pool.tail - pool.head + n_front + n_back > N, P.compact, lambda q: q,
+                         replace(pool, ref_count=ref))
+        # Front: later calls go in front of earlier ones, each call in its own order.
+        front_rank = (jnp.cumsum(to_front.reshape(-1, M)[::-1].reshape(-1), dtype=jnp.int32) - 1
+                      ).reshape(-1, M)[::-1].reshape(-1)
+        new_pos = jnp.where(to_front, p.head - n_front + front_rank, p.tail + jnp.cumsum(to_back, dtype=jnp.int32) - 1)
+        p = replace(p, queue=p.queue.at[jnp.where(now_free, new_pos % N, N)].set(flat, mode="drop"),
+                          pos=p.pos.at[jnp.where(now_free, flat, N)].set(new_pos, mode="drop"),
+                          head=p.head - n_front, tail=p.tail + n_back, num_free=p.num_free + n_front + n_back)
+        bp = BP.BlockPoolState(pool=p, cache=cache)
+        bp, ids = _pop(bp, total, B * G)
+        offset = (jnp.cumsum(cnt.reshape(-1)) - cnt.reshape(-1)).reshape(B, G)
+        new_block = jnp.where(cnt > 0, ids[offset], 0)
+        idx = jnp.arange(M)
+        new_rows, new_lens, new_last = [], [], []
+        for g in range(G):
+            r, L, nb = rows[:, g], lens[:, g], new_block[:, g]
+            if layout.is_mamba(g):
+                required = _cdiv(main, bs)
+                grow = cnt[:, g] > 0
+                r = jnp.where(grow[:, None] & (idx[None, :] == (required - 1)[:, None]), nb[:, None], r)
+                new_last.append(jnp.where(grow & (L > 0), L - 1, last_state[:, g]))
+                new_lens.append(jnp.where(grow, required, L))
+            else:
+                r = jnp.where((cnt[:, g] > 0)[:, None] & (idx[None, :] == L[:, None]), nb[:, None], r)
+                new_last.append(last_state[:, g])
+                new_lens.append(L + cnt[:, g])
+            new_rows.append(r)
+        rows3, lens3, last3 = jnp.stack(new_rows, 1), jnp.stack(new_lens, 1), jnp.stack(new_last, 1)
+        # Cache the blocks this token filled: at most one per (request, group), in request then group order.
+        pos_c = jnp.minimum(before, M - 1)
+        blk = jnp.take_along_axis(rows3, pos_c[:, :, None], axis=2)[:, :, 0]
+        todo = (nfull[:, None] > before) & (blk > 0)
+        keys = state.hashes[slots[:, None], jnp.minimum(pos_c, state.hashes.shape[1] - 1)]  # [B, G, 4]
+        order = jnp.nonzero(todo.reshape(-1), size=B * G, fill_value=0)[0]
+        mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
+
+        def insert(i, carry):
+            c, step_cached = carry
+            k = order[i]
+            b, g = k // G, k % G
+            c = BP.pc.insert(BP.pc.evict(c, blk[b, g]), blk[b, g], keys[b, g], g.astype(jnp.int32))
+            ks = c.block_slot[blk[b, g]]
+            step_cached = step_cached.at[jnp.where(mamba_g[g], ks, step_cached.shape[0])].set(True, mode="drop")
+            return c, step_cached
+
+        c, step_cached = jax.lax.fori_loop(0, jnp.sum(todo), insert, (bp.cache, state.step_cached))
+        st = _replace(
+            state,
+            bp=BP.BlockPoolState(pool=bp.pool, cache=c),
+            step_cached=step_cached,
+            tables=state.tables.at[slots].set(rows3),
+            table_len=state.table_len.at[slots].set(lens3),
+            retired=state.retired.at[slots].set(retired),
+            last_state=state.last_state.at[slots].set(last3),
+            num_cached=state.num_cached.at[slots].set(jnp.maximum(before, nfull[:, None])),
+            num_computed=state.num_computed.at[slots].set(C + 1),
+        )
+        return st, jnp.ones(B, bool)
+
+    def sequential(state: AllocatorState):
+        st, ok, _, _ = schedule_batch(layout, state, slots, jnp.ones(B, jnp.int32))
+        return st, ok
+
+    state, ok = jax.lax.cond(fast, vectorised, sequential, state)
+    return state, ok, fast
+

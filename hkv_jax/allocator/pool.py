@@ -1,18 +1,20 @@
 """The block pool as a pytree: ref counts and the LRU free queue, updated by pure jitted functions.
 
-vLLM keeps the free queue as a doubly linked list of block objects. Here the
-queue is an array of *ranks*: a free block's position in the queue is its
-rank, smaller first; a held block has rank ``HELD``. Then
+vLLM keeps the free queue as a doubly linked list of block objects. Here it is
+a circular array ``queue`` of block ids between two absolute positions
+``head`` and ``tail``, plus each free block's position ``pos``. Then
 
-- popping ``n`` blocks from the head is one ``lax.top_k`` over the ranks,
-- putting blocks at the front gives them ranks below the current head
-  (``front`` counts down), at the back ranks above the tail (``back`` counts
-  up), in the order given,
-- taking a block out of the queue (a prefix-cache hit on a free block) is
-  setting its rank to ``HELD``,
+- popping ``n`` blocks from the head reads a window of ``n + HOLE_SLACK``
+  entries after ``head`` (no pass over the whole pool),
+- putting blocks at the front writes them just before ``head``, at the back
+  just after ``tail``, in the order given,
+- taking a block out of the queue (a prefix-cache hit on a free block) leaves
+  a hole (id 0) that pops skip,
 
-all vectorised, with the exact order of vLLM's list (``SEMANTICS.md``, "Free
-queue and eviction"). The null block 0 is never in the queue.
+all with O(number of blocks moved) updates and vLLM's exact order
+(``SEMANTICS.md``, "Free queue and eviction"). When holes crowd the window or
+the span ``tail - head`` would exceed the array, the queue is compacted once
+(O(num_blocks), rare). The null block 0 is never in the queue.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, replace
 import jax
 import jax.numpy as jnp
 
-HELD = jnp.iinfo(jnp.int32).max
+HOLE_SLACK = 32
 
 
 @jax.tree_util.register_dataclass
@@ -32,16 +34,18 @@ class BlockPool:
 
     Fields:
       ref_count: ``i32[num_blocks]`` requests (table entries) holding each block.
-      rank: ``i32[num_blocks]`` queue position of a free block (smaller = popped first); ``HELD`` otherwise.
-      front: ``i32[]`` rank the next block put at the front gets (+1).
-      back: ``i32[]`` rank the next block put at the back gets.
+      queue: ``i32[num_blocks]`` circular array of free block ids in queue order, 0 = hole.
+      pos: ``i32[num_blocks]`` absolute queue position of each free block, -1 when held.
+      head: ``i32[]`` absolute position of the first queue entry (``queue[head % num_blocks]``).
+      tail: ``i32[]`` absolute position one past the last entry.
       num_free: ``i32[]`` blocks in the queue.
     """
 
     ref_count: jax.Array
-    rank: jax.Array
-    front: jax.Array
-    back: jax.Array
+    queue: jax.Array
+    pos: jax.Array
+    head: jax.Array
+    tail: jax.Array
     num_free: jax.Array
 
     @property
@@ -57,73 +61,112 @@ def init_pool(num_blocks: int) -> BlockPool:
     ids = jnp.arange(num_blocks, dtype=jnp.int32)
     return BlockPool(
         ref_count=jnp.zeros(num_blocks, jnp.int32),
-        rank=jnp.where(ids == 0, HELD, ids),
-        front=jnp.int32(0),
-        back=jnp.int32(num_blocks),
+        queue=jnp.roll(ids, -1).at[-1].set(0),  # 1, 2, ..., N-1, then an empty slot
+        pos=ids - 1,
+        head=jnp.int32(0),
+        tail=jnp.int32(num_blocks - 1),
         num_free=jnp.int32(num_blocks - 1),
     )
 
 
-def pop_free(pool: BlockPool, count: jax.Array, max_count: int) -> tuple[BlockPool, jax.Array]:
+def compact(pool: BlockPool) -> BlockPool:
+    """The same queue without holes, starting at position 0 (O(num_blocks))."""
+    n = pool.num_blocks
+    abs_pos = pool.head + jnp.arange(n)
+    entries = jnp.where(abs_pos < pool.tail, pool.queue[abs_pos % n], 0)
+    valid = entries > 0
+    new_pos = jnp.cumsum(valid, dtype=jnp.int32) - 1
+    queue = jnp.zeros(n, jnp.int32).at[jnp.where(valid, new_pos, n)].set(entries, mode="drop")
+    pos = jnp.full(n, -1, jnp.int32).at[jnp.where(valid, entries, n)].set(new_pos, mode="drop")
+    return replace(pool, queue=queue, pos=pos, head=jnp.int32(0), tail=pool.num_free)
+
+
+def pop_free(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOLE_SLACK) -> tuple[BlockPool, jax.Array]:
     """Take ``count`` (<= ``max_count``, static) blocks from the head of the queue.
+
+    ``slack`` (static): holes the head window tolerates before the queue is compacted.
 
     Returns the new pool and ``i32[max_count]`` block ids in queue order, 0 past
     ``count``. The caller checks ``count <= num_free`` first (all-or-nothing
     allocation); the taken blocks get ref count 1.
     """
-    k = min(max_count, pool.num_blocks)  # a request may want more entries than the pool has blocks
-    _, ids = jax.lax.top_k(-pool.rank, k)
-    ids = jnp.pad(ids, (0, max_count - k))
-    take = jnp.arange(max_count) < count
-    ids = jnp.where(take, ids, 0).astype(jnp.int32)
-    # Scatter with a dump slot for the untaken lanes so that block 0 is never touched.
-    tgt = jnp.where(take, ids, pool.num_blocks)
-    rank = jnp.append(pool.rank, 0).at[tgt].set(HELD)[:-1]
-    ref = jnp.append(pool.ref_count, 0).at[tgt].set(1)[:-1]
-    return replace(pool, rank=rank, ref_count=ref, num_free=pool.num_free - jnp.minimum(count, max_count)), ids
+    n = pool.num_blocks
+    width = min(max_count + slack, n)
+    lanes = jnp.arange(width)
+
+    def window(p: BlockPool):
+        abs_pos = p.head + lanes
+        entries = jnp.where(abs_pos < p.tail, p.queue[abs_pos % n], 0)
+        return entries, jnp.cumsum(entries > 0, dtype=jnp.int32)
+
+    entries, rank = window(pool)
+    pool = jax.lax.cond(rank[-1] < jnp.minimum(count, pool.num_free), compact, lambda p: p, pool)
+    entries, rank = window(pool)
+    take = (entries > 0) & (rank <= count)
+    # Slot of the k-th taken block is where rank first reaches k.
+    order = jnp.where(take, rank - 1, max_count)
+    ids = jnp.zeros(max_count, jnp.int32).at[order].set(entries, mode="drop")
+    last = jnp.max(jnp.where(take, lanes, -1))
+    tgt = jnp.where(take, entries, n)
+    return replace(
+        pool,
+        queue=pool.queue.at[jnp.where(take, (pool.head + lanes) % n, n)].set(0, mode="drop"),
+        pos=pool.pos.at[tgt].set(-1, mode="drop"),
+        ref_count=pool.ref_count.at[tgt].set(1, mode="drop"),
+        head=pool.head + last + 1,
+        num_free=pool.num_free - jnp.sum(take, dtype=jnp.int32),
+    ), ids
 
 
 def touch(pool: BlockPool, blocks: jax.Array) -> BlockPool:
-    """Add one reference to each non-null id in ``blocks`` (a hit); free ones leave the queue."""
+    """Add one reference to each non-null id in ``blocks`` (distinct ids; a hit); free ones leave the queue."""
+    n = pool.num_blocks
     valid = blocks > 0
-    tgt = jnp.where(valid, blocks, pool.num_blocks)
-    ref = jnp.append(pool.ref_count, 0).at[tgt].add(1)[:-1]
-    left = (pool.ref_count == 0) & (ref > 0)
-    rank = jnp.where(left, HELD, pool.rank)
-    return replace(pool, ref_count=ref, rank=rank, num_free=pool.num_free - jnp.sum(left, dtype=jnp.int32))
+    b = jnp.where(valid, blocks, 0)
+    was_free = valid & (pool.ref_count[b] == 0)
+    return replace(
+        pool,
+        ref_count=pool.ref_count.at[jnp.where(valid, blocks, n)].add(1, mode="drop"),
+        queue=pool.queue.at[jnp.where(was_free, pool.pos[b] % n, n)].set(0, mode="drop"),
+        pos=pool.pos.at[jnp.where(was_free, blocks, n)].set(-1, mode="drop"),
+        num_free=pool.num_free - jnp.sum(was_free, dtype=jnp.int32),
+    )
 
 
 def free_ordered(pool: BlockPool, blocks: jax.Array, cached: jax.Array) -> BlockPool:
     """Drop one reference from each non-null id in ``blocks``, given in eviction priority order.
 
     A block whose count reaches 0 joins the queue: at the front when it holds
-    no cache entry (``cached[b]`` False; the first such block becomes the
-    head), at the back otherwise (in the given order). ``cached`` is
-    ``bool[num_blocks]``. A block may appear once in ``blocks``.
+    no cache entry (``cached[i]`` False for ``blocks[i]``; the first such block
+    becomes the head), at the back otherwise (in the given order). A block may
+    appear once in ``blocks``.
     """
+    n = pool.num_blocks
     valid = blocks > 0
-    tgt = jnp.where(valid, blocks, pool.num_blocks)
-    ref = jnp.append(pool.ref_count, 0).at[tgt].add(-1)[:-1]
+    ref = pool.ref_count.at[jnp.where(valid, blocks, n)].add(-1, mode="drop")
     now_free = valid & (ref[jnp.where(valid, blocks, 0)] == 0)
-    is_cached = cached[jnp.where(valid, blocks, 0)]
-    to_front = now_free & ~is_cached
-    to_back = now_free & is_cached
+    to_front = now_free & ~cached
+    to_back = now_free & cached
     n_front = jnp.sum(to_front, dtype=jnp.int32)
     n_back = jnp.sum(to_back, dtype=jnp.int32)
-    front_rank = pool.front - n_front + jnp.cumsum(to_front, dtype=jnp.int32) - 1
-    back_rank = pool.back + jnp.cumsum(to_back, dtype=jnp.int32) - 1
-    new_rank = jnp.where(to_front, front_rank, back_rank)
-    rank = jnp.append(pool.rank, 0).at[jnp.where(now_free, blocks, pool.num_blocks)].set(new_rank)[:-1]
-    return BlockPool(
-        ref_count=ref,
-        rank=rank,
-        front=pool.front - n_front,
-        back=pool.back + n_back,
+    pool = replace(pool, ref_count=ref)
+    pool = jax.lax.cond(pool.tail - pool.head + n_front + n_back > n, compact, lambda p: p, pool)
+    new_pos = jnp.where(to_front, pool.head - n_front + jnp.cumsum(to_front, dtype=jnp.int32) - 1,
+                        pool.tail + jnp.cumsum(to_back, dtype=jnp.int32) - 1)
+    return replace(
+        pool,
+        queue=pool.queue.at[jnp.where(now_free, new_pos % n, n)].set(blocks, mode="drop"),
+        pos=pool.pos.at[jnp.where(now_free, blocks, n)].set(new_pos, mode="drop"),
+        head=pool.head - n_front,
+        tail=pool.tail + n_back,
         num_free=pool.num_free + n_front + n_back,
     )
 
 
-def queue_order(pool: BlockPool) -> jax.Array:
+def queue_order(pool: BlockPool) -> list[int]:
     """The free blocks in queue order (host-side helper for tests and debugging)."""
-    order = jnp.argsort(pool.rank)
-    return order[: int(pool.num_free)]
+    import numpy as np
+
+    q, head, tail = np.asarray(pool.queue), int(pool.head), int(pool.tail)
+    entries = [int(q[p % len(q)]) for p in range(head, tail)]
+    return [b for b in entries if b > 0]

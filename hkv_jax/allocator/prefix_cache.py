@@ -97,6 +97,11 @@ def lookup(cache: PrefixCache, keys: jax.Array, groups: jax.Array) -> jax.Array:
     return jnp.where(found >= 0, cache.block[jnp.maximum(found, 0)], 0).reshape(groups.shape)
 
 
+def _set(arr: jax.Array, i, value, when) -> jax.Array:
+    """``arr.at[i].set(value)`` if ``when``, as an O(1) update."""
+    return arr.at[i].set(jnp.where(when, value, arr[i]))
+
+
 def insert(cache: PrefixCache, block: jax.Array, key: jax.Array, group: jax.Array) -> PrefixCache:
     """Cache ``block`` (not cached now, > 0) under (``key``, ``group``); a no-op for block 0."""
     found, free = _probe(cache, key, group)
@@ -104,35 +109,40 @@ def insert(cache: PrefixCache, block: jax.Array, key: jax.Array, group: jax.Arra
     do = (block > 0) & (slot >= 0)
     s = jnp.where(do, slot, 0)
     new_key = do & (found < 0)
+    b = jnp.maximum(block, 0)
     return PrefixCache(
-        keys=jnp.where(new_key, cache.keys.at[s].set(key), cache.keys),
-        group=jnp.where(new_key, cache.group.at[s].set(group), cache.group),
-        block=jnp.where(new_key, cache.block.at[s].set(block), cache.block),
-        dups=jnp.where(do & (found >= 0), cache.dups.at[s].add(1), jnp.where(new_key, cache.dups.at[s].set(0), cache.dups)),
-        block_slot=jnp.where(do, cache.block_slot.at[block].set(s), cache.block_slot),
-        cached_at=jnp.where(do, cache.cached_at.at[block].set(cache.clock), cache.cached_at),
+        keys=_set(cache.keys, s, key, new_key),
+        group=_set(cache.group, s, group, new_key),
+        block=_set(cache.block, s, block, new_key),
+        dups=_set(cache.dups, s, jnp.where(new_key, 0, cache.dups[s] + 1), do),
+        block_slot=_set(cache.block_slot, b, s, do),
+        cached_at=_set(cache.cached_at, b, cache.clock, do),
         clock=cache.clock + do.astype(jnp.int32),
     )
 
 
 def evict(cache: PrefixCache, block: jax.Array) -> PrefixCache:
     """Drop ``block``'s cache entry, if it has one; the next oldest duplicate takes over the key."""
-    s = cache.block_slot[block]
+    b = jnp.maximum(block, 0)
+    s = cache.block_slot[b]
     has = (block > 0) & (s >= 0)
     s0 = jnp.maximum(s, 0)
     is_head = has & (cache.block[s0] == block)
-    others = (cache.block_slot == s) & (jnp.arange(cache.block_slot.shape[0]) != block)
-    successor = jnp.argmin(jnp.where(others, cache.cached_at, jnp.iinfo(jnp.int32).max)).astype(jnp.int32)
     has_dups = cache.dups[s0] > 0
-    group = jnp.where(is_head & ~has_dups, cache.group.at[s0].set(TOMBSTONE), cache.group)
-    new_block = jnp.where(is_head & has_dups, cache.block.at[s0].set(successor), cache.block)
-    dups = jnp.where(has & has_dups, cache.dups.at[s0].add(-1), cache.dups)
+
+    def successor(_):
+        # Only when the oldest of several duplicates leaves: one O(num_blocks) search.
+        others = (cache.block_slot == s) & (jnp.arange(cache.block_slot.shape[0]) != block)
+        return jnp.argmin(jnp.where(others, cache.cached_at, jnp.iinfo(jnp.int32).max)).astype(jnp.int32)
+
+    promote = is_head & has_dups
+    nxt = jax.lax.cond(promote, successor, lambda _: jnp.int32(0), None)
     return replace(
         cache,
-        group=group,
-        block=new_block,
-        dups=dups,
-        block_slot=jnp.where(has, cache.block_slot.at[block].set(-1), cache.block_slot),
+        group=_set(cache.group, s0, TOMBSTONE, is_head & ~has_dups),
+        block=_set(cache.block, s0, nxt, promote),
+        dups=_set(cache.dups, s0, cache.dups[s0] - 1, has & has_dups),
+        block_slot=_set(cache.block_slot, b, -1, has),
     )
 
 

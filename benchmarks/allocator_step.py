@@ -1,0 +1,120 @@
+"""Allocator step time: B requests with 2048-token random prompts, one prefill, then 32 decode steps.
+
+The workload of ``shared/tools/vllm_oracle/replay.py --bench`` (vLLM 0.33's KVCacheManager), run through
+hkv-jax's jitted allocator: block size 16, prefix caching on, ``vllm`` planner policy, pool sized by the
+oracle's formula. Prefill = lookup + allocate of the whole prompt for every request (one ``schedule_batch``
+program); a decode step = every request allocates one more token (one ``decode_step`` program; it reports
+whether its vectorised path ran). Times are wall clock after
+compilation, with ``block_until_ready``; decode is the median of the 32 steps, prefill the median of
+``--repeats`` fresh prefills. Run: ``python benchmarks/allocator_step.py [--models full32,gemma3,gptoss]
+[--batch 64,256,1024] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hkv_jax.allocator import ops
+from hkv_jax.allocator.state import Layout, init_state
+from hkv_jax.planner import cdiv, plan
+from hkv_jax.spec import layers_from_trace
+
+PROMPT, DECODE, BS = 2048, 32, 16
+MODELS = {
+    "full32": [{"type": "full", "num_kv_heads": 8, "head_size": 128, "dtype": "bfloat16"}],
+    "gemma3": [{"type": "sliding_window", "sliding_window": 1024, "num_kv_heads": 16, "head_size": 128,
+                "dtype": "bfloat16"}] * 5 + [{"type": "full", "num_kv_heads": 16, "head_size": 128, "dtype": "bfloat16"}],
+    "gptoss": [{"type": "sliding_window", "sliding_window": 128, "num_kv_heads": 8, "head_size": 64, "dtype": "bfloat16"},
+               {"type": "full", "num_kv_heads": 8, "head_size": 64, "dtype": "bfloat16"}],
+}
+NUM_LAYERS = {"full32": 32, "gemma3": 62, "gptoss": 36}
+
+
+def model_layers(name: str):
+    return layers_from_trace({"layer_pattern": {"num_layers": NUM_LAYERS[name], "pattern": MODELS[name]}})
+
+
+def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None) -> dict:
+    layers = model_layers(name)
+    groups = len(plan(layers, block_size=BS, policy="vllm", num_blocks=2).groups)
+    per_req = cdiv(PROMPT + DECODE + BS, BS)
+    nb = num_blocks or batch * per_req * (groups + 1) + 64  # the oracle's pool size
+    cfg = plan(layers, block_size=BS, policy="vllm", num_blocks=nb)
+    layout = Layout.from_config(cfg, max_model_len=PROMPT + DECODE + 2 * BS, max_requests=batch)
+    rng = np.random.default_rng(0)
+    toks = np.zeros((batch, layout.max_model_len), np.int32)
+    toks[:, :PROMPT] = rng.integers(1, 32000, size=(batch, PROMPT))
+    slots = jnp.arange(batch, dtype=jnp.int32)
+    add = jax.jit(ops.add_batch, static_argnums=0)
+    sched = jax.jit(ops.schedule_batch, static_argnums=0)
+    decode = jax.jit(ops.decode_step, static_argnums=0, donate_argnums=1)
+    append = jax.jit(ops.append_batch, static_argnums=0, donate_argnums=1)
+
+    def fresh():
+        st = add(layout, init_state(layout), slots, jnp.asarray(toks), jnp.full(batch, PROMPT, jnp.int32),
+                 jnp.zeros(batch, jnp.uint32))
+        return jax.block_until_ready(st)
+
+    # Prefill: compile once, then time fresh prefills.
+    jax.block_until_ready(sched(layout, fresh(), slots, jnp.full(batch, -1, jnp.int32)))
+    prefill = []
+    for _ in range(repeats):
+        st = fresh()
+        t = time.perf_counter()
+        st, ok, _, _ = jax.block_until_ready(sched(layout, st, slots, jnp.full(batch, -1, jnp.int32)))
+        prefill.append(time.perf_counter() - t)
+        if not bool(ok.all()):
+            raise RuntimeError("pool too small for the prefill")
+    st = append(layout, st, slots, jnp.asarray(rng.integers(1, 32000, batch), jnp.int32))
+    jax.block_until_ready(decode(layout, jax.tree.map(jnp.copy, st), slots))  # compile the decode step
+    steps, vectorised = [], 0
+    for _ in range(DECODE):
+        t = time.perf_counter()
+        st, ok, fast = jax.block_until_ready(decode(layout, st, slots))
+        steps.append(time.perf_counter() - t)
+        vectorised += int(fast)
+        if not bool(ok.all()):
+            raise RuntimeError("pool too small for decode")
+        st = append(layout, st, slots, jnp.asarray(rng.integers(1, 32000, batch), jnp.int32))
+    return {"model": name, "batch": batch, "num_blocks": nb, "groups": groups,
+            "decode_step_us": round(statistics.median(steps) * 1e6, 1), "vectorised_steps": vectorised,
+            "prefill_us_per_request": round(statistics.median(prefill) / batch * 1e6, 1)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="full32,gemma3,gptoss")
+    p.add_argument("--batch", default="64,256,1024")
+    p.add_argument("--repeats", type=int, default=3, help="prefill repetitions (median)")
+    p.add_argument("--num-blocks", type=int, help="pool size instead of the oracle's formula (pool-growth check)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    rows = []
+    for m in a.models.split(","):
+        if m not in MODELS:
+            p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+        for b in map(int, a.batch.split(",")):
+            print(f"... {m} B={b}", file=sys.stderr, flush=True)
+            rows.append(run_one(m, b, a.repeats, a.num_blocks))
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"machine: {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, jax {jax.__version__}")
+    print(f"{'model':<8} {'B':>5} {'blocks':>9} {'decode step us':>15} {'vectorised':>10} {'prefill us/req':>15}")
+    for r in rows:
+        print(f"{r['model']:<8} {r['batch']:>5} {r['num_blocks']:>9} {r['decode_step_us']:>15} "
+              f"{r['vectorised_steps']:>7}/{DECODE} {r['prefill_us_per_request']:>15}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
