@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
 # The team's shared folder sits beside the checkout (CI lays it there too); HKV_SHARED overrides.
 SHARED = Path(os.environ.get("HKV_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 TRACES = sorted(p for p in (SHARED / "traces").glob("*.json") if not p.name.endswith(".expected.json"))
@@ -22,3 +24,15 @@ def require_traces() -> None:
     """Fail loudly (not skip) when the shared traces are missing: CI always has them."""
     if not TRACES:
         pytest.fail(f"no shared traces found under {SHARED / 'traces'}")
+
+
+# Small hybrid models (block size 4 in the tests) for the allocator's property and equivalence tests.
+HYBRID_MODELS = {
+    "sw+full": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
+                SlidingWindowSpec(name="s", num_kv_heads=1, head_size=8, sliding_window=6)],
+    "three": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
+              SlidingWindowSpec(name="s", num_kv_heads=1, head_size=8, sliding_window=6),
+              ChunkedLocalSpec(name="c", num_kv_heads=1, head_size=8, attention_chunk_size=8)],
+    "mamba": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
+              MambaSpec(name="m", shapes=[[2, 4]], dtypes=["float32"])],
+}

@@ -9,18 +9,10 @@ from hkv_jax.allocator import ops
 from hkv_jax.allocator.pool import queue_order
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.planner import plan
-from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from conftest import HYBRID_MODELS
 
 B, BS, T = 6, 4, 64
-MODELS = {
-    "sw+full": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
-                SlidingWindowSpec(name="s", num_kv_heads=1, head_size=8, sliding_window=6)],
-    "three": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
-              SlidingWindowSpec(name="s", num_kv_heads=1, head_size=8, sliding_window=6),
-              ChunkedLocalSpec(name="c", num_kv_heads=1, head_size=8, attention_chunk_size=8)],
-    "mamba": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
-              MambaSpec(name="m", shapes=[[2, 4]], dtypes=["float32"])],
-}
+MODELS = HYBRID_MODELS
 
 
 def semantic(st, layout):

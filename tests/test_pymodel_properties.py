@@ -17,7 +17,7 @@ from hkv_jax.allocator.kv_cache_manager import KVCacheManager
 from hkv_jax.allocator.pool import queue_order
 from hkv_jax.allocator.pymodel import NULL, RUNNING, WAITING, PyAllocator
 from hkv_jax.planner import plan
-from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from conftest import HYBRID_MODELS
 
 settings.register_profile("ci", max_examples=1000, stateful_step_count=25, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -27,15 +27,7 @@ settings.load_profile(os.environ.get("HKV_HYPOTHESIS_PROFILE", "ci"))
 
 BS = 4
 MAX_REQUESTS = 6
-MODELS = {
-    "sw+full": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
-                SlidingWindowSpec(name="s", num_kv_heads=1, head_size=8, sliding_window=6)],
-    "three": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
-              SlidingWindowSpec(name="s", num_kv_heads=1, head_size=8, sliding_window=6),
-              ChunkedLocalSpec(name="c", num_kv_heads=1, head_size=8, attention_chunk_size=8)],
-    "mamba": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
-              MambaSpec(name="m", shapes=[[2, 4]], dtypes=["float32"])],
-}
+MODELS = HYBRID_MODELS
 
 
 class AllocatorMachine(RuleBasedStateMachine):
