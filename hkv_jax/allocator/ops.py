@@ -38,8 +38,7 @@ def _set_row(state: AllocatorState, slot, g: int, row, length=None, **rg) -> All
     return _replace(state, **upd)
 
 
-def _replace(state: AllocatorState, **kw) -> AllocatorState:
-    return AllocatorState(**{**{f: getattr(state, f) for f in state.__dataclass_fields__}, **kw})
+_replace = replace  # states and pools are frozen dataclasses
 
 
 def _reversed_range(row, lo, hi):
