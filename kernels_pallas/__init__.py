@@ -1,6 +1,70 @@
-"""Pallas paged-attention kernels over hkv-jax's unified page buffers.
+"""Paged-attention kernels over hkv-jax's unified page buffers.
 
-Planned contents (see ``DESIGN.md``): ``reference.py`` (dense pure-jnp oracle),
-``kv_write.py`` and ``paged_attention.py`` with Mosaic GPU, TPU and
-interpret-mode variants. Nothing is implemented here yet.
+Shapes and conventions: ``reference.py``. Implementations (``impl``):
+
+``reference``
+    Dense pure jnp (gathers whole block tables); the oracle, and the CPU/TPU path.
+``triton``
+    The portable Pallas kernels (``paged_attention.py``, ``kv_write.py``); Triton on
+    GPUs before Hopper.
+``mosaic_gpu``
+    The Hopper path (``paged_attention_mgpu.py``).
+``auto``
+    ``mosaic_gpu`` on a GPU of compute capability 9.x, ``triton`` on other GPUs,
+    ``reference`` elsewhere.
+
+``interpret=True`` runs a Pallas implementation on CPU (tests).
 """
+
+from __future__ import annotations
+
+import jax
+
+from kernels_pallas import kv_write as _kv_write
+from kernels_pallas import paged_attention as _portable
+from kernels_pallas import paged_attention_mgpu as _mgpu
+from kernels_pallas import reference
+from kernels_pallas.reference import AttentionParams
+
+IMPLS = ("auto", "reference", "triton", "mosaic_gpu")
+
+
+def default_impl() -> str:
+    """The implementation ``auto`` picks on the default device."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return "reference"
+    cc = str(getattr(dev, "compute_capability", "0"))
+    return "mosaic_gpu" if cc.startswith("9") else "triton"
+
+
+def _resolve(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(IMPLS)}")
+    return default_impl() if impl == "auto" else impl
+
+
+def paged_attention(q, kv_pages, block_tables, query_start_loc, seq_lens, params: AttentionParams,
+                    sinks=None, *, impl: str = "auto", interpret: bool = False):
+    """Ragged paged attention with the chosen implementation (see ``reference.paged_attention``)."""
+    impl = _resolve(impl)
+    args = (q, kv_pages, block_tables, query_start_loc, seq_lens, params, sinks)
+    if impl == "reference":
+        return reference.paged_attention(*args)
+    if impl == "mosaic_gpu":
+        return _mgpu.paged_attention(*args, interpret=interpret)
+    return _portable.paged_attention(*args, interpret=interpret)
+
+
+def kv_write(kv_pages, k, v, slots, *, impl: str = "auto", interpret: bool = False):
+    """Store new K/V at their slots with the chosen implementation (see ``reference.kv_write``).
+
+    The Hopper path uses the portable Pallas write: a scatter of a few rows per
+    token is bound by memory latency, not by the instructions that issue it.
+    """
+    if _resolve(impl) == "reference":
+        return reference.kv_write(kv_pages, k, v, slots)
+    return _kv_write.kv_write(kv_pages, k, v, slots, interpret=interpret)
+
+
+__all__ = ["AttentionParams", "IMPLS", "default_impl", "kv_write", "paged_attention", "reference"]

@@ -1,0 +1,264 @@
+"""The KV cache memory: one page-major buffer per shared tensor, typed views per layer.
+
+A ``KVCacheConfig`` has ``group_size`` shared tensors; tensor ``i`` holds the
+i-th layer of every KV cache group, and block id ``b`` addresses page ``b`` of
+every tensor. So each buffer is ``[num_blocks, page_words]`` of raw words, and
+a layer sees it through a typed view made inside jit by bitcast + reshape (no
+copy when the layer fills the page, which is the common case):
+
+- attention layer: ``dtype[num_blocks, 2, num_kv_heads, block_size, head_size]``
+  (K then V; inside a page each kv head's tokens are contiguous, which is what
+  the kernels stream);
+- Mamba layer: the state of one request is the bytes of its state tensors laid
+  one after the other over its ``blocks_per_state`` pages, read and written
+  with ``read_mamba_state`` / ``write_mamba_state``.
+
+Layers that share another layer's KV (``KVSharingSpec``) resolve to their
+target. ``slot_mapping`` turns token positions into physical slots through a
+group's block table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from hkv_jax.planner import KVCacheConfig
+from hkv_jax.spec import AttentionSpec, MambaSpec, dtype_bytes
+
+# Storage word per page: the widest of these that divides the page size.
+_WORDS = ((4, jnp.uint32), (2, jnp.uint16), (1, jnp.uint8))
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    """Where one layer's KV lives: its shared tensor, group and spec (static)."""
+
+    tensor: int
+    group_id: int
+    spec: AttentionSpec | MambaSpec
+    block_size: int
+    blocks_per_state: int = 1
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of each page this layer uses (attention) or of its whole state (Mamba)."""
+        if isinstance(self.spec, MambaSpec):
+            return self.spec.state_bytes
+        return self.spec.page_size_bytes(self.block_size)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Static description of the KV memory of a ``KVCacheConfig`` (hashable, jit-static)."""
+
+    num_blocks: int
+    page_size_bytes: int
+    num_tensors: int
+    slots: tuple[tuple[str, LayerSlot], ...]
+
+    @classmethod
+    def from_config(cls, config: KVCacheConfig) -> "CacheLayout":
+        """The layout the planner's ``config`` describes (KV-sharing layers point at their target's slot)."""
+        slots: dict[str, LayerSlot] = {}
+        for g in config.groups:
+            for i, name in enumerate(g.layer_names):
+                slots[name] = LayerSlot(i, g.group_id, g.spec, g.block_size, g.blocks_per_state)
+        for name, target in config.kv_sharing:
+            slots[name] = slots[target]
+        return cls(config.num_blocks, config.page_size_bytes, config.group_size, tuple(slots.items()))
+
+    def slot(self, layer: str) -> LayerSlot:
+        """The slot of ``layer``; ``KeyError`` naming the known layers if absent."""
+        for name, s in self.slots:
+            if name == layer:
+                return s
+        raise KeyError(f"layer {layer!r} has no KV cache; known: {', '.join(n for n, _ in self.slots)}")
+
+    @property
+    def word_bytes(self) -> int:
+        """Bytes of one storage word (4, 2 or 1)."""
+        return next(b for b, _ in _WORDS if self.page_size_bytes % b == 0)
+
+    @property
+    def word_dtype(self):
+        """The storage word dtype (uint32, uint16 or uint8)."""
+        return dict(_WORDS)[self.word_bytes]
+
+    @property
+    def page_words(self) -> int:
+        """Storage words per page."""
+        return self.page_size_bytes // self.word_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all buffers (null block included)."""
+        return self.num_tensors * self.num_blocks * self.page_size_bytes
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class KVCache:
+    """The KV memory: ``buffers[i]`` is shared tensor ``i``, ``word[num_blocks, page_words]``.
+
+    ``layout`` is static (part of the jit cache key, not traced).
+    """
+
+    buffers: tuple[jax.Array, ...]
+    layout: CacheLayout = field(metadata=dict(static=True))
+
+
+def init_cache(config: KVCacheConfig, sharding: jax.sharding.Sharding | None = None) -> KVCache:
+    """Zero-filled buffers for ``config`` (zeros, not ``jnp.empty``: stale pages stay finite)."""
+    layout = CacheLayout.from_config(config)
+    shape = (layout.num_blocks, layout.page_words)
+    return KVCache(tuple(
+        jnp.zeros(shape, layout.word_dtype, device=sharding) for _ in range(layout.num_tensors)
+    ), layout)
+
+
+# --- typed views ----------------------------------------------------------------------------
+
+
+def _words_to(words: jax.Array, dtype) -> jax.Array:
+    """Bitcast ``word[..., n]`` to ``dtype[..., m]`` (same bytes)."""
+    dtype = jnp.dtype(dtype)
+    if words.dtype.itemsize == dtype.itemsize:
+        return jax.lax.bitcast_convert_type(words, dtype)
+    if words.dtype.itemsize > dtype.itemsize:
+        out = jax.lax.bitcast_convert_type(words, dtype)  # [..., n, ratio]
+        return out.reshape(*words.shape[:-1], -1)
+    ratio = dtype.itemsize // words.dtype.itemsize
+    return jax.lax.bitcast_convert_type(words.reshape(*words.shape[:-1], -1, ratio), dtype)
+
+
+def _attention_view_shape(slot: LayerSlot) -> tuple[int, ...]:
+    spec = slot.spec
+    return (2, spec.num_kv_heads, slot.block_size, spec.head_size)
+
+
+def layer_kv(cache: KVCache, layer: str) -> jax.Array:
+    """The typed page view of an attention layer: ``dtype[num_blocks, 2, kv_heads, block_size, head_size]``."""
+    layout = cache.layout
+    slot = layout.slot(layer)
+    if not isinstance(slot.spec, AttentionSpec):
+        raise TypeError(f"layer {layer!r} is a Mamba layer; use read_mamba_state")
+    typed = _words_to(cache.buffers[slot.tensor], slot.spec.dtype)
+    elems = slot.used_bytes // dtype_bytes(slot.spec.dtype)
+    if typed.shape[1] != elems:  # the layer is smaller than the page: the rest is padding
+        typed = typed[:, :elems]
+    return typed.reshape(layout.num_blocks, *_attention_view_shape(slot))
+
+
+def set_layer_kv(cache: KVCache, layer: str, kv: jax.Array) -> KVCache:
+    """Store an attention layer's page view back (the inverse of ``layer_kv``); other bytes are kept."""
+    layout = cache.layout
+    slot = layout.slot(layer)
+    expected = (layout.num_blocks, *_attention_view_shape(slot))
+    if kv.shape != expected or kv.dtype != jnp.dtype(slot.spec.dtype):
+        raise ValueError(f"layer {layer!r}: view must be {slot.spec.dtype}{list(expected)}, "
+                         f"got {kv.dtype}{list(kv.shape)}")
+    words = _words_to(kv.reshape(layout.num_blocks, -1), layout.word_dtype)
+    buf = cache.buffers[slot.tensor]
+    if words.shape[1] != layout.page_words:
+        words = jax.lax.dynamic_update_slice(buf, words, (0, 0))
+    return _replace_buffer(cache, slot.tensor, words)
+
+
+def _replace_buffer(cache: KVCache, i: int, buf: jax.Array) -> KVCache:
+    bufs = list(cache.buffers)
+    bufs[i] = buf
+    return replace(cache, buffers=tuple(bufs))
+
+
+# --- Mamba states ---------------------------------------------------------------------------
+
+
+def _state_fields(spec: MambaSpec) -> list[tuple[int, int, tuple[int, ...], str]]:
+    """(byte offset, byte size, shape, dtype) of each state tensor, packed in order."""
+    out, off = [], 0
+    for shape, dt in zip(spec.shapes, spec.dtypes):
+        size = math.prod(shape) * dtype_bytes(dt)
+        out.append((off, size, shape, dt))
+        off += size
+    return out
+
+
+def _mamba_slot(layout: CacheLayout, layer: str, block_ids: jax.Array) -> LayerSlot:
+    slot = layout.slot(layer)
+    if not isinstance(slot.spec, MambaSpec):
+        raise TypeError(f"layer {layer!r} is not a Mamba layer")
+    if block_ids.ndim != 2 or block_ids.shape[1] != slot.blocks_per_state:
+        raise ValueError(f"layer {layer!r}: block_ids must be [requests, {slot.blocks_per_state}], "
+                         f"got {list(block_ids.shape)}")
+    return slot
+
+
+def read_mamba_state(cache: KVCache, layer: str,
+                     block_ids: jax.Array) -> tuple[jax.Array, ...]:
+    """The states of a Mamba layer for ``block_ids: i32[R, blocks_per_state]``: one ``dtype[R, *shape]`` per state tensor."""
+    slot = _mamba_slot(cache.layout, layer, block_ids)
+    pages = cache.buffers[slot.tensor][block_ids]                      # word[R, k, W]
+    raw = _words_to(pages, jnp.uint8).reshape(block_ids.shape[0], -1)  # u8[R, k * page bytes]
+    return tuple(
+        _words_to(raw[:, off:off + size], dt).reshape(-1, *shape)
+        for off, size, shape, dt in _state_fields(slot.spec)
+    )
+
+
+def write_mamba_state(cache: KVCache, layer: str, block_ids: jax.Array,
+                      states: Sequence[jax.Array], valid: jax.Array | None = None) -> KVCache:
+    """Write Mamba states (as ``read_mamba_state`` returns them) to their pages.
+
+    Rows with ``valid`` False (or a null block id 0) are not written.
+    """
+    layout = cache.layout
+    slot = _mamba_slot(layout, layer, block_ids)
+    fields = _state_fields(slot.spec)
+    if len(states) != len(fields):
+        raise ValueError(f"layer {layer!r}: {len(fields)} state tensors expected, got {len(states)}")
+    r, k = block_ids.shape
+    parts = []
+    for (off, size, shape, dt), st in zip(fields, states):
+        if st.shape != (r, *shape):
+            raise ValueError(f"layer {layer!r}: state must be [{r}, {', '.join(map(str, shape))}], "
+                             f"got {list(st.shape)}")
+        parts.append(_words_to(st.astype(dt).reshape(r, -1), jnp.uint8))
+    page_bytes = layout.page_size_bytes
+    buf = cache.buffers[slot.tensor]
+    # Bytes of the last page past the state keep their old value.
+    old = _words_to(buf[block_ids], jnp.uint8).reshape(r, -1)
+    raw = jnp.concatenate(parts + [old[:, slot.used_bytes:]], axis=1)
+    words = _words_to(raw.reshape(r, k, page_bytes), layout.word_dtype)
+    keep = block_ids != 0
+    if valid is not None:
+        keep &= valid[:, None]
+    target = jnp.where(keep, block_ids, layout.num_blocks)  # out of range: dropped
+    return _replace_buffer(cache, slot.tensor, buf.at[target].set(words, mode="drop"))
+
+
+# --- slot mapping ---------------------------------------------------------------------------
+
+
+def slot_mapping(block_table: jax.Array, positions: jax.Array, block_size: int,
+                 valid: jax.Array | None = None) -> jax.Array:
+    """Physical slots ``page * block_size + offset`` of token ``positions`` through a block table.
+
+    ``block_table: i32[max_blocks]`` (one request) or ``i32[T, max_blocks]`` (one row per
+    token); ``positions: i32[T]``. Slots are -1 where ``valid`` is False or the
+    position's block is the null block (nothing is written there).
+    """
+    idx = positions // block_size
+    if block_table.ndim == 1:
+        page = jnp.take(block_table, idx, mode="fill", fill_value=0)
+    else:
+        page = jnp.take_along_axis(block_table, idx[:, None], axis=1, mode="fill", fill_value=0)[:, 0]
+    ok = page > 0
+    if valid is not None:
+        ok &= valid
+    return jnp.where(ok, page * block_size + positions % block_size, -1).astype(jnp.int32)
+

@@ -1,0 +1,53 @@
+"""Scatter new K/V into a layer's pages, in place (Pallas; Triton on GPU, interpret on CPU).
+
+One program per token: it writes that token's K and V (all kv heads) at its
+slot; slot -1 (padding, or a position whose block is the null block) writes
+nothing. The page view is aliased to the output, so under jit with a donated
+cache the write happens in the buffer itself.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+
+def _kernel(slots_ref, k_ref, v_ref, kv_in_ref, kv_ref):
+    del kv_in_ref  # aliased to kv_ref
+    t = pl.program_id(0)
+    slot = slots_ref[t]
+    bs = kv_ref.shape[3]
+
+    @pl.when(slot >= 0)
+    def _():
+        page, off = slot // bs, slot % bs
+        kv_ref[page, 0, :, off] = k_ref[...].astype(kv_ref.dtype)
+        kv_ref[page, 1, :, off] = v_ref[...].astype(kv_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def kv_write(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, *,
+             interpret: bool = False) -> jax.Array:
+    """Store ``k, v: [T, Hkv, D]`` into ``kv_pages: [N, 2, Hkv, bs, D]`` at ``slots: i32[T]``.
+
+    The output aliases ``kv_pages``: donate the cache in the enclosing jit to write in
+    place. Slots must be distinct (two tokens never share a slot).
+    """
+    num_tokens, hkv, d = k.shape
+    if v.shape != k.shape or kv_pages.shape[2] != hkv or kv_pages.shape[4] != d:
+        raise ValueError(f"k {k.shape} / v {v.shape} do not fit kv_pages {kv_pages.shape}")
+    whole = pl.BlockSpec(kv_pages.shape, lambda t: (0,) * 5)
+    token = pl.BlockSpec((None, hkv, d), lambda t: (t, 0, 0))
+    return pl.pallas_call(
+        _kernel,
+        grid=(num_tokens,),
+        in_specs=[pl.BlockSpec(slots.shape, lambda t: (0,)), token, token, whole],
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype),
+        input_output_aliases={3: 0},
+        interpret=interpret,
+        name="hkv_kv_write",
+    )(slots.astype(jnp.int32), k, v, kv_pages)

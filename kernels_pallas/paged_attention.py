@@ -1,0 +1,155 @@
+"""Ragged paged attention as a Pallas kernel (portable variant: Triton on GPU, interpret on CPU).
+
+One program handles one work item (``block_q`` query tokens of one sequence,
+see ``ragged.py``) for one kv head, i.e. ``block_q x G`` query rows. It walks
+only the pages its rows can see: from the page of the first row's window (or
+chunk) start to the page of its last row, so pages wholly outside a sliding
+window or chunk are never read, and neither is the null block for a valid
+position. Online softmax in f32; V rows past the valid key range are zeroed
+before the product so that stale pages (NaN included) cannot leak.
+
+``page_step`` and ``finish`` hold the math shared with the Mosaic GPU variant.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas import ragged
+from kernels_pallas.reference import AttentionParams, key_mask
+
+MASK_VALUE = -1e30
+
+
+def key_range(first_pos: jax.Array, end_pos: jax.Array, params: AttentionParams) -> jax.Array:
+    """First key position any query in ``[first_pos, end_pos)`` may see (window or chunk start)."""
+    lo = jnp.zeros_like(first_pos)
+    if params.sliding_window is not None:
+        lo = jnp.maximum(lo, first_pos - params.sliding_window + 1)
+    if params.chunk_size is not None:
+        lo = jnp.maximum(lo, first_pos // params.chunk_size * params.chunk_size)
+    return lo
+
+
+def page_step(q, k, v, k_pos, row_pos, row_ok, k_lo, k_hi, carry, params: AttentionParams):
+    """One page of online softmax.
+
+    ``q: f32[R, D]`` (pre-scaled), ``k, v: [P, D]``, ``k_pos: i32[P]``,
+    ``row_pos: i32[R]``, ``row_ok: bool[R]``; keys outside ``[k_lo, k_hi)`` are
+    invalid. ``carry = (m f32[R], l f32[R], acc f32[R, D])``.
+    """
+    m, l, acc = carry
+    key_ok = (k_pos >= k_lo) & (k_pos < k_hi)
+    s = jax.lax.dot_general(q, k.astype(jnp.float32), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    if params.soft_cap is not None:
+        s = params.soft_cap * jnp.tanh(s / params.soft_cap)
+    mask = row_ok[:, None] & key_ok[None, :] & key_mask(row_pos[:, None], k_pos[None, :], params)
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    v = jnp.where(key_ok[:, None], v.astype(jnp.float32), 0.0)
+    acc = acc * alpha[:, None] + jnp.dot(p, v, preferred_element_type=jnp.float32)
+    return m_new, l * alpha + p.sum(axis=1), acc
+
+
+def init_carry(rows: int, head_size: int):
+    """The online-softmax state before the first page."""
+    return (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_size), jnp.float32))
+
+
+def finish(carry, sinks: jax.Array | None) -> jax.Array:
+    """``acc / l`` with the optional per-row sink logit in the denominator; rows that saw nothing give 0."""
+    m, l, acc = carry
+    if sinks is not None:
+        m_fin = jnp.maximum(m, sinks)
+        scale = jnp.exp(m - m_fin)
+        l = l * scale + jnp.exp(sinks - m_fin)
+        acc = acc * scale[:, None]
+    return acc / jnp.where(l > 0, l, 1.0)[:, None]
+
+
+def _kernel(seq_ref, qb_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_ref, *rest,
+            params: AttentionParams, block_q: int, num_seqs: int, has_sinks: bool):
+    sinks_ref, o_ref = (rest[0], rest[1]) if has_sinks else (None, rest[0])
+    item, h = pl.program_id(0), pl.program_id(1)
+    _, group, head_size = q_ref.shape
+    rows = block_q * group
+    bs = kv_ref.shape[3]
+    seq = seq_ref[item]
+    live = seq < num_seqs
+    seq = jnp.minimum(seq, num_seqs - 1)
+    q_start = qsl_ref[seq]
+    q_len = qsl_ref[seq + 1] - q_start
+    first = qb_ref[item] * block_q
+    n_rows = jnp.where(live, jnp.minimum(block_q, q_len - first), 0)
+    p0 = lens_ref[seq] - q_len + first               # position of the item's first query
+    row = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group
+    row_pos, row_ok = p0 + row, row < n_rows
+    k_lo, k_hi = key_range(p0, p0 + n_rows, params), p0 + n_rows
+    q = q_ref[...].reshape(rows, head_size).astype(jnp.float32) * params.scale(head_size)
+    k_iota = jax.lax.broadcasted_iota(jnp.int32, (bs,), 0)
+
+    def body(j, carry):
+        page = bt_ref[seq, j]
+        k = kv_ref[page, 0, h]
+        v = kv_ref[page, 1, h]
+        return page_step(q, k, v, j * bs + k_iota, row_pos, row_ok, k_lo, k_hi, carry, params)
+
+    hi = jnp.where(n_rows > 0, (k_hi + bs - 1) // bs, 0)
+    carry = jax.lax.fori_loop(k_lo // bs, hi, body, init_carry(rows, head_size))
+    sinks = None
+    if has_sinks:
+        sinks = jnp.broadcast_to(sinks_ref[...].astype(jnp.float32)[None, :],
+                                 (block_q, group)).reshape(rows)
+    o_ref[...] = finish(carry, sinks).reshape(block_q, group, head_size).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("params", "block_q", "interpret"))
+def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
+                    query_start_loc: jax.Array, seq_lens: jax.Array, params: AttentionParams,
+                    sinks: jax.Array | None = None, *, block_q: int = 8,
+                    interpret: bool = False) -> jax.Array:
+    """Ragged paged attention (shapes: ``reference.py``) with the portable Pallas kernel.
+
+    ``interpret=True`` runs it on CPU; on a GPU it lowers through Triton.
+    """
+    num_tokens, hq, d = q.shape
+    _, two, hkv, bs, dk = kv_pages.shape
+    if two != 2 or dk != d or hq % hkv:
+        raise ValueError(f"q {q.shape} does not fit kv_pages {kv_pages.shape}")
+    group = hq // hkv
+    num_seqs = block_tables.shape[0]
+    items = ragged.work_items(query_start_loc, num_tokens, block_q)
+    n = items.seq.shape[0]
+    q_items = ragged.gather_queries(q, items, block_q).reshape(n, block_q, hkv, group, d)
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
+    in_specs = [
+        whole(items.seq.shape), whole(items.q_block.shape), whole(query_start_loc.shape),
+        whole(seq_lens.shape), whole(block_tables.shape),
+        pl.BlockSpec((None, block_q, None, group, d), lambda i, h: (i, 0, h, 0, 0)),
+        whole(kv_pages.shape),
+    ]
+    args = [items.seq, items.q_block, query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
+            block_tables.astype(jnp.int32), q_items, kv_pages]
+    if sinks is not None:
+        in_specs.append(pl.BlockSpec((None, group), lambda i, h: (h, 0)))
+        args.append(sinks.reshape(hkv, group))
+    kernel = functools.partial(_kernel, params=params, block_q=block_q, num_seqs=num_seqs,
+                               has_sinks=sinks is not None)
+    o_items = pl.pallas_call(
+        kernel,
+        grid=(n, hkv),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, block_q, None, group, d), lambda i, h: (i, 0, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((n, block_q, hkv, group, d), q.dtype),
+        interpret=interpret,
+        name="hkv_ragged_paged_attention",
+    )(*args)
+    return ragged.scatter_outputs(o_items.reshape(n, block_q, hq, d), items)

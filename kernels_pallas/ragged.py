@@ -1,0 +1,75 @@
+"""Splitting a ragged batch of query tokens into fixed-size work items.
+
+A kernel program handles ``block_q`` query tokens of one sequence for one kv
+head. The batch (``query_start_loc``) is cut into such items: sequence ``s``
+gets ``ceil(q_len_s / block_q)`` of them. Queries are gathered into a dense
+``[items, block_q, ...]`` array before the kernel and scattered back after, so
+every program reads and writes whole tiles and no two programs write the same
+row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.reference import token_sequences
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class WorkItems:
+    """The work items of one ragged batch (``I = ceil(T / block_q) + S`` slots, a static bound).
+
+    ``seq: i32[I]``: the sequence of each item (``S`` for an unused slot);
+    ``q_block: i32[I]``: which ``block_q`` rows of that sequence's queries;
+    ``token_item, token_row: i32[T]``: where each query token sits in the items
+    (``I`` for padding tokens).
+    """
+
+    seq: jax.Array
+    q_block: jax.Array
+    token_item: jax.Array
+    token_row: jax.Array
+
+
+def num_items(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """The static number of item slots for ``num_tokens`` tokens of at most ``num_seqs`` sequences."""
+    return cdiv(num_tokens, block_q) + num_seqs
+
+
+def work_items(query_start_loc: jax.Array, num_tokens: int, block_q: int) -> WorkItems:
+    """Cut the ragged batch into work items of ``block_q`` query rows."""
+    num_seqs = query_start_loc.shape[0] - 1
+    n = num_items(num_tokens, num_seqs, block_q)
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    per_seq = (q_len + block_q - 1) // block_q
+    ends = jnp.cumsum(per_seq)
+    starts = ends - per_seq
+    i = jnp.arange(n)
+    seq = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+    q_block = i - starts[jnp.minimum(seq, num_seqs - 1)]
+    tseq, tvalid = token_sequences(query_start_loc, num_tokens)
+    offset = jnp.arange(num_tokens) - query_start_loc[tseq]
+    token_item = jnp.where(tvalid, starts[tseq] + offset // block_q, n)
+    return WorkItems(seq, q_block.astype(jnp.int32), token_item.astype(jnp.int32),
+                     (offset % block_q).astype(jnp.int32))
+
+
+def gather_queries(q: jax.Array, items: WorkItems, block_q: int) -> jax.Array:
+    """``q: [T, H, D]`` -> ``[I, block_q, H, D]`` (rows without a token are zero)."""
+    n = items.seq.shape[0]
+    out = jnp.zeros((n, block_q, *q.shape[1:]), q.dtype)
+    return out.at[items.token_item, items.token_row].set(q, mode="drop")
+
+
+def scatter_outputs(o_items: jax.Array, items: WorkItems) -> jax.Array:
+    """``[I, block_q, H, D]`` -> ``[T, H, D]`` (padding tokens get zeros)."""
+    return o_items.at[items.token_item, items.token_row].get(mode="fill", fill_value=0)

@@ -1,0 +1,161 @@
+"""Pure-jnp paged attention and KV write: the oracle of every kernel.
+
+Shapes and conventions shared by all kernels of this package:
+
+- ``q: [T, num_q_heads, head_size]``: the query tokens of all sequences of the
+  batch, one after the other (ragged: a decode sequence has 1, a prefill chunk
+  many); tokens past ``query_start_loc[-1]`` are padding and get zeros.
+- ``kv_pages: [num_blocks, 2, num_kv_heads, block_size, head_size]``: a layer's
+  page view (``hkv_jax.cache.layer_kv``), K at index 0 and V at 1.
+- ``block_tables: i32[S, max_blocks]``: per sequence, the pages of its group.
+- ``query_start_loc: i32[S + 1]``: sequence ``s`` owns query tokens
+  ``[query_start_loc[s], query_start_loc[s + 1])``; an unused sequence slot
+  has an empty range.
+- ``seq_lens: i32[S]``: tokens in KV after this step's write (cached + new); the
+  queries of sequence ``s`` sit at the last ``q_len`` positions.
+
+Query heads ``h * G .. h * G + G - 1`` share kv head ``h`` (GQA, ``G`` =
+num_q_heads / num_kv_heads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """Static attention options of one layer.
+
+    ``sliding_window``: a query sees itself and ``sliding_window - 1`` earlier
+    keys. ``chunk_size``: a query sees keys of its own aligned chunk (Llama 4
+    chunked local attention). ``soft_cap``: logits become ``cap * tanh(logits /
+    cap)`` (Gemma 2). ``sm_scale`` defaults to ``head_size ** -0.5``.
+    """
+
+    sm_scale: float | None = None
+    sliding_window: int | None = None
+    chunk_size: int | None = None
+    soft_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("sliding_window", "chunk_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        if self.soft_cap is not None and not self.soft_cap > 0:
+            raise ValueError(f"soft_cap must be positive or None, got {self.soft_cap!r}")
+
+    def scale(self, head_size: int) -> float:
+        """The softmax scale for ``head_size``."""
+        return self.sm_scale if self.sm_scale is not None else head_size ** -0.5
+
+
+def key_mask(q_pos: jax.Array, k_pos: jax.Array, params: AttentionParams) -> jax.Array:
+    """Which keys each query may see: causal, and inside its window or chunk (broadcasting)."""
+    ok = k_pos <= q_pos
+    if params.sliding_window is not None:
+        ok &= q_pos - k_pos < params.sliding_window
+    if params.chunk_size is not None:
+        ok &= k_pos // params.chunk_size == q_pos // params.chunk_size
+    return ok
+
+
+def softmax_attention(logits: jax.Array, mask: jax.Array, v: jax.Array,
+                      sinks: jax.Array | None) -> jax.Array:
+    """``softmax(logits) @ v`` over the last axis of ``logits`` with masked keys removed.
+
+    ``logits: f32[..., H, K]``, ``mask: bool[..., 1 or H, K]``, ``v: [..., K, H, D]``
+    (masked rows of ``v`` may hold anything, NaN included). ``sinks: f32[H]`` adds
+    one extra logit per head to the denominator (gpt-oss). A query that sees no
+    key gets zeros.
+    """
+    logits = jnp.where(mask, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks[:, None].astype(jnp.float32))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(logits - m), 0.0)
+    denom = p.sum(-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks[:, None].astype(jnp.float32) - m)
+    v = jnp.where(jnp.moveaxis(mask, -1, -2)[..., None], v, 0)  # 0 * NaN would leak stale data
+    out = jnp.einsum("...hk,...khd->...hd", p, v.astype(jnp.float32))
+    return out / jnp.where(denom > 0, denom, 1.0)
+
+
+def _logits(q: jax.Array, k: jax.Array, params: AttentionParams) -> jax.Array:
+    """``f32[..., Hq, K]`` logits of ``q: [..., Hq, D]`` against ``k: [..., K, Hkv, D]`` (GQA)."""
+    hq, hkv = q.shape[-2], k.shape[-2]
+    k = jnp.repeat(k, hq // hkv, axis=-2)
+    s = jnp.einsum("...hd,...khd->...hk", q.astype(jnp.float32), k.astype(jnp.float32))
+    s = s * params.scale(q.shape[-1])
+    if params.soft_cap is not None:
+        s = params.soft_cap * jnp.tanh(s / params.soft_cap)
+    return s
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, params: AttentionParams,
+                    sinks: jax.Array | None = None) -> jax.Array:
+    """Plain causal attention of one unpaged sequence: the oracle of the paged reference.
+
+    ``q: [Lq, Hq, D]`` are the last ``Lq`` positions of ``k, v: [L, Hkv, D]``.
+    """
+    lq, length = q.shape[0], k.shape[0]
+    q_pos = jnp.arange(length - lq, length)[:, None, None]
+    k_pos = jnp.arange(length)[None, None, :]
+    logits = _logits(q[:, :, :], k[None], params)             # [Lq, Hq, L]
+    mask = key_mask(q_pos, k_pos, params)                      # [Lq, 1, L]
+    v = jnp.repeat(v, q.shape[1] // v.shape[1], axis=1)[None]  # [1, L, Hq, D]
+    return softmax_attention(logits, mask, v, sinks).astype(q.dtype)
+
+
+def token_sequences(query_start_loc: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """``(seq, valid)`` per query token: its sequence index and whether it belongs to one."""
+    t = jnp.arange(num_tokens)
+    seq = jnp.searchsorted(query_start_loc[1:], t, side="right")
+    valid = (t >= query_start_loc[0]) & (seq < query_start_loc.shape[0] - 1)
+    return jnp.minimum(seq, query_start_loc.shape[0] - 2).astype(jnp.int32), valid
+
+
+def query_positions(query_start_loc: jax.Array, seq_lens: jax.Array,
+                    num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(seq, position, valid)`` of every query token of a ragged batch."""
+    seq, valid = token_sequences(query_start_loc, num_tokens)
+    q_len = query_start_loc[seq + 1] - query_start_loc[seq]
+    pos = seq_lens[seq] - q_len + jnp.arange(num_tokens) - query_start_loc[seq]
+    return seq, pos.astype(jnp.int32), valid
+
+
+def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
+                    query_start_loc: jax.Array, seq_lens: jax.Array, params: AttentionParams,
+                    sinks: jax.Array | None = None) -> jax.Array:
+    """Ragged paged attention (module docstring for the shapes), dense in jnp.
+
+    Gathers every sequence's pages, so it reads the whole table even where a
+    window would skip pages; masked positions (the null block, stale data
+    past ``seq_lens``) never reach the output.
+    """
+    num_tokens, hq, d = q.shape
+    _, _, hkv, bs, _ = kv_pages.shape
+    seq, q_pos, valid = query_positions(query_start_loc, seq_lens, num_tokens)
+    pages = kv_pages[block_tables[seq]]                       # [T, M, 2, Hkv, bs, D]
+    pages = jnp.moveaxis(pages, 4, 2).reshape(num_tokens, -1, 2, hkv, d)  # [T, M*bs, 2, Hkv, D]
+    k_pos = jnp.arange(pages.shape[1])[None, None, :]
+    mask = key_mask(q_pos[:, None, None], k_pos, params) & valid[:, None, None]
+    mask &= k_pos < seq_lens[seq][:, None, None]
+    logits = _logits(q, pages[:, :, 0], params)               # [T, Hq, M*bs]
+    v = jnp.repeat(pages[:, :, 1], hq // hkv, axis=2)          # [T, M*bs, Hq, D]
+    return softmax_attention(logits, mask, v, sinks).astype(q.dtype)
+
+
+def kv_write(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
+    """Store ``k, v: [T, Hkv, D]`` at ``slots: i32[T]`` (``page * block_size + offset``; -1 skips)."""
+    n, _, _, bs, _ = kv_pages.shape
+    page = jnp.where(slots >= 0, slots // bs, n)  # out of range: dropped
+    off = jnp.where(slots >= 0, slots % bs, 0)
+    kv = jnp.stack([k, v], axis=1).astype(kv_pages.dtype)     # [T, 2, Hkv, D]
+    return kv_pages.at[page, :, :, off].set(kv, mode="drop")
