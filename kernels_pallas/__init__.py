@@ -5,13 +5,14 @@ Shapes and conventions: ``reference.py``. Implementations (``impl``):
 ``reference``
     Dense pure jnp (gathers whole block tables); the oracle, and the CPU/TPU path.
 ``triton``
-    The portable Pallas kernels (``paged_attention.py``, ``kv_write.py``); Triton on
-    GPUs before Hopper.
+    The portable Pallas kernels (``paged_attention_portable.py``,
+    ``kv_write_portable.py``); Triton on GPUs before Hopper.
 ``mosaic_gpu``
     The Hopper path (``paged_attention_mgpu.py``).
 ``auto``
-    ``mosaic_gpu`` on a GPU of compute capability 9.x, ``triton`` on other GPUs,
-    ``reference`` elsewhere.
+    ``mosaic_gpu`` on a GPU of compute capability 9.x when the shapes suit it
+    (``paged_attention_mgpu.supported``), ``triton`` on other GPUs, ``reference``
+    elsewhere.
 
 ``interpret=True`` runs a Pallas implementation on CPU (tests).
 """
@@ -20,8 +21,8 @@ from __future__ import annotations
 
 import jax
 
-from kernels_pallas import kv_write as _kv_write
-from kernels_pallas import paged_attention as _portable
+from kernels_pallas import kv_write_portable as _kv_write
+from kernels_pallas import paged_attention_portable as _portable
 from kernels_pallas import paged_attention_mgpu as _mgpu
 from kernels_pallas import reference
 from kernels_pallas.reference import AttentionParams
@@ -47,7 +48,11 @@ def _resolve(impl: str) -> str:
 def paged_attention(q, kv_pages, block_tables, query_start_loc, seq_lens, params: AttentionParams,
                     sinks=None, *, impl: str = "auto", interpret: bool = False):
     """Ragged paged attention with the chosen implementation (see ``reference.paged_attention``)."""
-    impl = _resolve(impl)
+    chosen = _resolve(impl)
+    if chosen == "mosaic_gpu" and impl == "auto" and _mgpu.supported(
+            q.dtype, kv_pages.shape, kv_pages.dtype, q.shape[1]):
+        chosen = "triton"
+    impl = chosen
     args = (q, kv_pages, block_tables, query_start_loc, seq_lens, params, sinks)
     if impl == "reference":
         return reference.paged_attention(*args)

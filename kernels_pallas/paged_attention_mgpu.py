@@ -1,6 +1,6 @@
 """Ragged paged attention for Hopper GPUs with Pallas Mosaic GPU (``plgpu.kernel``).
 
-Same contract as ``paged_attention.py``; one warpgroup per (work item, kv
+Same contract as ``paged_attention_portable.py``; one warpgroup per (work item, kv
 head) with 64 query rows (``64 / G`` query tokens x ``G`` heads), so that both
 products run on the tensor cores (``wgmma``):
 
@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import ragged
-from kernels_pallas.paged_attention import MASK_VALUE, key_range
+from kernels_pallas.paged_attention_portable import MASK_VALUE, key_range
 from kernels_pallas.reference import AttentionParams
 
 ROWS = 64  # query rows per warpgroup: the wgmma M dimension

@@ -20,6 +20,7 @@ num_q_heads / num_kv_heads).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -98,21 +99,6 @@ def _logits(q: jax.Array, k: jax.Array, params: AttentionParams) -> jax.Array:
     return s
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, params: AttentionParams,
-                    sinks: jax.Array | None = None) -> jax.Array:
-    """Plain causal attention of one unpaged sequence: the oracle of the paged reference.
-
-    ``q: [Lq, Hq, D]`` are the last ``Lq`` positions of ``k, v: [L, Hkv, D]``.
-    """
-    lq, length = q.shape[0], k.shape[0]
-    q_pos = jnp.arange(length - lq, length)[:, None, None]
-    k_pos = jnp.arange(length)[None, None, :]
-    logits = _logits(q[:, :, :], k[None], params)             # [Lq, Hq, L]
-    mask = key_mask(q_pos, k_pos, params)                      # [Lq, 1, L]
-    v = jnp.repeat(v, q.shape[1] // v.shape[1], axis=1)[None]  # [1, L, Hq, D]
-    return softmax_attention(logits, mask, v, sinks).astype(q.dtype)
-
-
 def token_sequences(query_start_loc: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
     """``(seq, valid)`` per query token: its sequence index and whether it belongs to one."""
     t = jnp.arange(num_tokens)
@@ -130,6 +116,7 @@ def query_positions(query_start_loc: jax.Array, seq_lens: jax.Array,
     return seq, pos.astype(jnp.int32), valid
 
 
+@functools.partial(jax.jit, static_argnames=("params",))
 def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
                     query_start_loc: jax.Array, seq_lens: jax.Array, params: AttentionParams,
                     sinks: jax.Array | None = None) -> jax.Array:
@@ -152,6 +139,7 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     return softmax_attention(logits, mask, v, sinks).astype(q.dtype)
 
 
+@jax.jit
 def kv_write(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
     """Store ``k, v: [T, Hkv, D]`` at ``slots: i32[T]`` (``page * block_size + offset``; -1 skips)."""
     n, _, _, bs, _ = kv_pages.shape

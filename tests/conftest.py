@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -36,3 +37,38 @@ HYBRID_MODELS = {
     "mamba": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
               MambaSpec(name="m", shapes=[[2, 4]], dtypes=["float32"])],
 }
+
+
+# The oracle of the attention kernels: plain attention over an unpaged sequence.
+def dense_attention(q, k, v, params, sinks) -> np.ndarray:
+    """Plain causal attention in numpy of one unpaged sequence (the oracle).
+
+    ``q: [Lq, Hq, D]`` are the last ``Lq`` positions of ``k, v: [L, Hkv, D]``.
+    """
+    lq, length, hq, d = q.shape[0], k.shape[0], q.shape[1], q.shape[2]
+    g = hq // k.shape[1]
+    k, v = np.repeat(k, g, axis=1).astype(np.float64), np.repeat(v, g, axis=1).astype(np.float64)
+    out = np.zeros((lq, hq, d))
+    scale = params.sm_scale or d ** -0.5
+    for i in range(lq):
+        pos = length - lq + i
+        lo = first_visible(pos, params)
+        s = np.einsum("hd,khd->hk", q[i], k[lo:pos + 1]) * scale
+        if params.soft_cap:
+            s = params.soft_cap * np.tanh(s / params.soft_cap)
+        if sinks is not None:
+            s = np.concatenate([s, sinks[:, None]], axis=1)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        out[i] = np.einsum("hk,khd->hd", p[:, :pos + 1 - lo], v[lo:pos + 1])
+    return out.astype(np.float32)
+
+
+def first_visible(pos: int, params) -> int:
+    """First key position a query at ``pos`` sees."""
+    lo = 0
+    if params.sliding_window:
+        lo = max(lo, pos - params.sliding_window + 1)
+    if params.chunk_size:
+        lo = max(lo, pos // params.chunk_size * params.chunk_size)
+    return lo

@@ -1,0 +1,182 @@
+"""Paged-attention kernels against the dense oracle (interpret mode on CPU).
+
+Every case is a small ragged batch built from unpaged sequences: each
+sequence's K/V is cut into pages placed at random block ids, out-of-window
+(or out-of-chunk) pages point at the null block, and a later sequence may
+reuse an earlier one's first pages (a shared prefix). Pages no valid
+position references, the null block included, hold NaN: they must never
+reach an output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernels_pallas import kv_write_portable as kv_write_pallas
+from kernels_pallas import paged_attention_portable as portable
+from kernels_pallas import paged_attention_mgpu as mgpu
+from kernels_pallas import reference
+from kernels_pallas.reference import AttentionParams
+
+from conftest import dense_attention, first_visible
+
+TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@dataclass
+class Case:
+    q: np.ndarray           # [T, Hq, D]
+    pages: np.ndarray       # [N, 2, Hkv, bs, D]
+    block_tables: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    params: AttentionParams
+    sinks: np.ndarray | None
+    expected: np.ndarray    # dense oracle, f32 [T, Hq, D]
+    dtype: str
+
+
+@st.composite
+def cases(draw, *, block_sizes=(8, 16, 32, 64), groups=(1, 2, 3, 4, 8), head_sizes=(64, 128, 256),
+          dtypes=("float32", "bfloat16", "float16"), tail=np.nan):
+    """A random ragged batch; ``tail`` fills the unwritten slots of referenced pages."""
+    bs = draw(st.sampled_from(block_sizes))
+    g = draw(st.sampled_from(groups))
+    hkv = draw(st.integers(1, 2))
+    d = draw(st.sampled_from(head_sizes))
+    dtype = draw(st.sampled_from(dtypes))
+    window = draw(st.one_of(st.none(), st.integers(1, 3 * bs)))
+    chunk = None if window else draw(st.one_of(st.none(), st.sampled_from([bs, 2 * bs, bs + bs // 2])))
+    params = AttentionParams(sliding_window=window, chunk_size=chunk,
+                             soft_cap=draw(st.sampled_from([None, 5.0])))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    n_seqs = draw(st.integers(1, 3))
+    lens, q_lens = [], []
+    for _ in range(n_seqs):
+        length = draw(st.integers(1, 4 * bs))
+        lens.append(length)
+        q_lens.append(draw(st.sampled_from([1, draw(st.integers(1, length))])))  # decode or prefill
+    max_blocks = -(-max(lens) // bs) + 1
+    n_pages = n_seqs * max_blocks + 2
+    free = list(rng.permutation(np.arange(1, n_pages)))
+    pages = np.full((n_pages, 2, hkv, bs, d), np.nan, np.float32)
+    tables = np.zeros((n_seqs + 1, max_blocks), np.int32)  # one unused sequence slot
+    keys, vals = [], []
+    for s, (length, q_len) in enumerate(zip(lens, q_lens)):
+        kv = rng.normal(size=(2, length, hkv, d)).astype(np.float32)
+        shared = 0
+        if s and draw(st.booleans()):  # share the previous sequence's full first pages
+            shared = min(lens[s - 1], length) // bs
+            shared = int(np.argmin(np.append(tables[s - 1, :shared] != 0, False)))  # no null pages
+            kv[:, :shared * bs] = keys[-1][:shared * bs], vals[-1][:shared * bs]
+            tables[s, :shared] = tables[s - 1, :shared]
+        lo = first_visible(length - q_len, params)
+        for j in range(shared, -(-length // bs)):
+            if (j + 1) * bs <= lo:
+                continue  # out of every window / chunk: the null block
+            page = free.pop()
+            tables[s, j] = page
+            pages[page] = tail
+            n = min(bs, length - j * bs)
+            pages[page, :, :, :n] = kv[:, j * bs:j * bs + n].transpose(0, 2, 1, 3)
+        keys.append(kv[0])
+        vals.append(kv[1])
+    sinks = rng.normal(size=(g * hkv,)).astype(np.float32) if draw(st.booleans()) else None
+    qsl = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)]]).astype(np.int32)
+    padding = draw(st.integers(0, 3))
+    q = rng.normal(size=(sum(q_lens) + padding, g * hkv, d)).astype(np.float32)
+    cast = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    expected = np.zeros(q.shape, np.float32)
+    for s, (length, q_len) in enumerate(zip(lens, q_lens)):
+        rows = slice(qsl[s], qsl[s + 1])
+        expected[rows] = dense_attention(cast(q[rows]), cast(keys[s]), cast(vals[s]), params, sinks)
+    return Case(q, pages, tables, qsl, np.array(lens + [0], np.int32), params, sinks, expected, dtype)
+
+
+def run(fn, case: Case, **kw) -> np.ndarray:
+    dt = jnp.dtype(case.dtype)
+    out = fn(jnp.asarray(case.q, dt), jnp.asarray(case.pages, dt), jnp.asarray(case.block_tables),
+             jnp.asarray(case.query_start_loc), jnp.asarray(case.seq_lens), case.params,
+             None if case.sinks is None else jnp.asarray(case.sinks), **kw)
+    assert out.shape == case.q.shape and out.dtype == dt
+    return np.asarray(out.astype(jnp.float32))
+
+
+def check(out: np.ndarray, case: Case) -> None:
+    assert np.isfinite(out).all(), "stale (NaN) pages reached the output"
+    np.testing.assert_allclose(out, case.expected, atol=TOL[case.dtype], rtol=TOL[case.dtype])
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(cases())
+def test_reference_equals_dense_attention(case):
+    check(run(reference.paged_attention, case), case)
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(cases())
+def test_portable_kernel_equals_dense_attention(case):
+    check(run(portable.paged_attention, case, block_q=4, interpret=True), case)
+
+
+@settings(max_examples=8, **SETTINGS)
+@given(cases(block_sizes=(16, 32, 64), groups=(1, 2, 4, 8), head_sizes=(64, 128),
+             dtypes=("bfloat16", "float16"), tail=0.0))
+def test_mosaic_gpu_kernel_equals_dense_attention(case):
+    check(run(mgpu.paged_attention, case, interpret=True), case)
+
+
+def test_mosaic_gpu_refuses_shapes_it_cannot_take():
+    q = jnp.zeros((4, 8, 64), jnp.float32)
+    pages = jnp.zeros((3, 2, 2, 16, 64), jnp.float32)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        mgpu.paged_attention(q, pages, jnp.zeros((1, 2), jnp.int32), jnp.array([0, 4]),
+                             jnp.array([4]), AttentionParams())
+    assert mgpu.supported(jnp.bfloat16, (3, 2, 2, 8, 64), jnp.bfloat16, 8) is not None  # page 8
+
+
+@settings(max_examples=10, **SETTINGS)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([8, 16, 64]), st.sampled_from(["float32", "bfloat16"]))
+def test_kv_write_kernel_equals_reference(seed, bs, dtype):
+    rng = np.random.default_rng(seed)
+    n, hkv, d, t = 5, 2, 64, 7
+    pages = jnp.asarray(rng.normal(size=(n, 2, hkv, bs, d)), dtype)
+    k, v = (jnp.asarray(rng.normal(size=(t, hkv, d)), jnp.float32) for _ in range(2))
+    slots = rng.choice(np.arange(bs, n * bs), size=t, replace=False)  # never the null block
+    slots[rng.random(t) < 0.3] = -1
+    expected = reference.kv_write(pages, k, v, jnp.asarray(slots))
+    out = kv_write_pallas.kv_write(pages, k, v, jnp.asarray(slots), interpret=True)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+    # Only the written slots changed, and they hold the new K/V.
+    changed = np.asarray(out != pages).any(axis=(1, 2, 4))           # [n, bs]
+    written = np.zeros((n, bs), bool)
+    for s in slots[slots >= 0]:
+        written[s // bs, s % bs] = True
+        np.testing.assert_array_equal(np.asarray(out[s // bs, 0, :, s % bs], np.float32),
+                                      np.asarray(k[list(slots).index(s)].astype(dtype), np.float32))
+    assert not (changed & ~written).any()
+
+
+def test_triton_kernels_lower_for_cuda_without_a_gpu():
+    """The portable kernels lower for CUDA on a CPU-only machine, given an abstract H200."""
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    sd = jax.ShapeDtypeStruct
+    args = (sd((64, 32, 128), jnp.bfloat16), sd((64, 2, 8, 16, 128), jnp.bfloat16),
+            sd((4, 8), jnp.int32), sd((5,), jnp.int32), sd((4,), jnp.int32))
+    attn = lambda *a: portable.paged_attention(*a, AttentionParams(sliding_window=128), block_q=16)
+    write = lambda p, k, s: kv_write_pallas.kv_write(p, k, k, s)
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        for fn, a in ((attn, args), (write, (args[1], sd((64, 8, 128), jnp.bfloat16), sd((64,), jnp.int32)))):
+            text = jax.jit(fn).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+            assert "__gpu$xla.gpu.triton" in text or "triton" in text
