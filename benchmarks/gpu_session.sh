@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One prepared GPU run (the `device` tool's machine: jax + CUDA plugin installed, no internet).
+# Checks every kernel against the reference on the GPU, then times decode and prefill.
+# Usage (repo root): bash benchmarks/gpu_session.sh [OUTDIR]   (OUTDIR defaults to $OUT or /tmp)
+set -euo pipefail
+out=${1:-${OUT:-/tmp}}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv | tee "$out/gpu.txt"
+python -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$out/gpu.txt"
+python benchmarks/attention_gpu.py --mode decode --batch 1,8,64,256 --context 1024,4096,32768 \
+  --page 16,64 --repeats 10 --json > "$out/attention_decode.json" 2> >(tee "$out/attention_decode.log" >&2)
+python benchmarks/attention_gpu.py --mode prefill --batch 1,8 --context 4096,32768 --page 16 \
+  --repeats 5 --json > "$out/attention_prefill.json" 2> >(tee "$out/attention_prefill.log" >&2)
