@@ -254,6 +254,36 @@ def preempt(layout: Layout, state: AllocatorState, slot) -> AllocatorState:
     return _replace(st, status=st.status.at[slot].set(WAITING), num_computed=st.num_computed.at[slot].set(0))
 
 
+def fork(layout: Layout, state: AllocatorState, src, dst) -> AllocatorState:
+    """Start request ``dst`` as a copy of ``src`` (parallel sampling, beam search).
+
+    The child shares ``src``'s full blocks (their ref counts rise by one) and
+    has computed exactly those tokens; the tokens of ``src``'s partial last
+    block are recomputed by the child's next ``schedule`` into its own block,
+    so no block is ever written by two requests. ``dst`` must be empty.
+    Attention groups only (a Mamba state cannot be shared half-way).
+    """
+    if any(layout.is_mamba(g) for g in range(layout.num_groups)):
+        raise ValueError("fork does not support Mamba groups")
+    nfull = jnp.where(state.status[src] == RUNNING, state.num_computed[src] // layout.block_size, 0)
+    keep = jnp.arange(layout.max_blocks) < nfull
+    rows = jnp.where(keep, state.tables[src], 0)                       # i32[G, M]
+    held = jnp.where(rows > 0, rows, layout.num_blocks).reshape(-1)
+    pool = _replace(state.bp.pool, ref_count=state.bp.pool.ref_count.at[held].add(1, mode="drop"))
+    copy = lambda a: a.at[dst].set(a[src])
+    return _replace(
+        state,
+        bp=_replace(state.bp, pool=pool),
+        status=state.status.at[dst].set(jnp.where(nfull > 0, RUNNING, WAITING)),
+        tokens=copy(state.tokens), num_tokens=copy(state.num_tokens), salt=copy(state.salt),
+        hashes=copy(state.hashes),
+        num_computed=state.num_computed.at[dst].set(nfull * layout.block_size),
+        tables=state.tables.at[dst].set(rows),
+        table_len=state.table_len.at[dst].set(jnp.full((layout.num_groups,), nfull)),
+        num_cached=state.num_cached.at[dst].set(jnp.minimum(state.num_cached[src], nfull)),
+    )
+
+
 def reset_prefix_cache(layout: Layout, state: AllocatorState) -> tuple[AllocatorState, jax.Array]:
     """Drop every cache entry if no block is held; returns (state, ok)."""
     ok = state.bp.pool.num_free == layout.num_blocks - 1

@@ -1,0 +1,313 @@
+"""The host side of serving: which requests run and how many tokens each gets.
+
+``Engine`` keeps the requests (prompt, generated tokens, computed count) and
+a continuous-batching policy in Python: running requests first (one token
+when decoding, a chunk of at most the remaining token budget when still
+prefilling), then waiting ones while budget and request slots last. Every
+other decision runs on the device in ``step.step`` (one jitted, donated
+program). When the allocator refuses a request (``ok=False``), the latest
+admitted running request is preempted in the next step and waits at the
+front of the queue; its prefix may come back from the cache.
+
+Snapshots: ``snapshot``/``restore`` (copies, since the step donates its
+state), ``fork`` (the child shares its parent's full blocks), and
+``save``/``load`` of the whole engine (allocator + KV memory) with orbax.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hkv_jax.allocator import ops
+from hkv_jax.allocator.state import Layout, init_state
+from hkv_jax.cache import init_cache
+from hkv_jax.engine.step import EngineState, StepPlan, StepStatic, step
+from hkv_jax.models.tiny import TinyLM
+from hkv_jax.planner import plan as plan_cache
+
+
+@dataclass
+class Request:
+    """A request as the host sees it."""
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    slot: int = -1
+    admitted: bool = False      # add_request ran (its tokens live in the allocator)
+    computed: int = 0           # tokens with KV in the cache
+    generated: list[int] = field(default_factory=list)
+    cache_hit: int = 0          # prefix-cache tokens of its first (or post-preemption) schedule
+    preemptions: int = 0
+    max_chunk: int = 1 << 30    # lowered when even alone it could not get blocks for a chunk
+
+    @property
+    def total(self) -> int:
+        """Known tokens: prompt + generated."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def done(self) -> bool:
+        """Whether it produced all its tokens."""
+        return len(self.generated) >= self.max_new_tokens
+
+
+@dataclass
+class Stats:
+    """Counters over the engine's life."""
+
+    steps: int = 0
+    tokens_computed: int = 0
+    prompt_tokens: int = 0
+    cache_hit_tokens: int = 0
+    generated: int = 0
+    preemptions: int = 0
+    host_to_device: int = 0
+    device_to_host: int = 0
+    seconds: float = 0.0
+
+
+class Engine:
+    """A serving loop around one jitted step. Attention-only tiny models for now (no Mamba)."""
+
+    def __init__(self, model: TinyLM, *, num_blocks: int, block_size: int = 16, max_requests: int = 8,
+                 max_model_len: int = 256, token_budget: int = 64, policy: str = "vllm",
+                 impl: str = "auto", seed: int = 0):
+        if token_budget < 1 or max_requests < 1:
+            raise ValueError("token_budget and max_requests must be positive")
+        self.config = plan_cache(model.cfg.layers, block_size=block_size, policy=policy, num_blocks=num_blocks)
+        self.layout = Layout.from_config(self.config, max_model_len=max_model_len, max_requests=max_requests)
+        graphdef, params = nnx.split(model)
+        self.params = params
+        self.vocab_size = model.cfg.vocab_size
+        self.static = StepStatic(graphdef, self.layout, token_budget, impl)
+        self.state = EngineState(init_state(self.layout), init_cache(self.config), jax.random.PRNGKey(seed))
+        self._step = jax.jit(step, static_argnums=0, donate_argnums=2)
+        self._fork = jax.jit(ops.fork, static_argnums=0, donate_argnums=1)
+        self.requests: dict[int, Request] = {}
+        self.waiting: list[int] = []   # request ids, front first
+        self.running: list[int] = []   # admission order
+        self._to_free: list[int] = []  # slots freed in the next step
+        self._to_preempt: list[int] = []
+        self._next_id = 0
+        self.stats = Stats()
+        self.temperature, self.top_p = 0.0, 1.0
+
+    # --- requests -------------------------------------------------------------------------
+
+    def add_request(self, prompt, max_new_tokens: int) -> int:
+        """Queue a request; returns its id. Raises ``ValueError`` when it cannot fit ``max_model_len``."""
+        prompt = [int(t) for t in prompt]
+        if not prompt or max_new_tokens < 1:
+            raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        if not all(0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt tokens must lie in [0, {self.vocab_size})")
+        if len(prompt) + max_new_tokens > self.layout.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"max_model_len {self.layout.max_model_len}")
+        rid = self._next_id
+        self._next_id += 1
+        self.requests[rid] = Request(rid, prompt, max_new_tokens)
+        self.waiting.append(rid)
+        return rid
+
+    def _free_slot(self) -> int:
+        used = {r.slot for r in self.requests.values() if r.slot >= 0} | set(self._to_free)
+        return next((s for s in range(self.layout.max_requests) if s not in used), -1)
+
+    # --- one step -------------------------------------------------------------------------
+
+    def _plan(self) -> tuple[StepPlan, list[int], list[int]]:
+        R, L = self.layout.max_requests, self.layout.max_model_len
+        budget = self.static.token_budget
+        slots, want, order, admit = [], [], [], []
+        for rid in self.running:
+            r = self.requests[rid]
+            n = min(r.total - r.computed, budget, r.max_chunk)
+            if n > 0:
+                slots.append(r.slot), want.append(n), order.append(rid)
+                budget -= n
+        for rid in list(self.waiting):
+            if budget <= 0 or len(slots) >= R:
+                break
+            r = self.requests[rid]
+            if r.slot < 0:
+                r.slot = self._free_slot()
+                if r.slot < 0:
+                    break
+                admit.append(rid)
+            n = min(r.total - r.computed, budget, r.max_chunk)
+            slots.append(r.slot), want.append(n), order.append(rid)
+            budget -= n
+        free = np.zeros(R, bool)
+        free[self._to_free] = True
+        preempt = np.zeros(R, bool)
+        preempt[self._to_preempt] = True
+        new_slot = np.full(R, -1, np.int32)
+        new_tokens = np.zeros((R, L), np.int32)
+        new_len = np.zeros(R, np.int32)
+        for i, rid in enumerate(admit):
+            r = self.requests[rid]
+            toks = r.prompt + r.generated
+            new_slot[i], new_len[i] = r.slot, len(toks)
+            new_tokens[i, :len(toks)] = toks
+        pad = R - len(slots)
+        plan = StepPlan(
+            free=free, preempt=preempt, new_slot=new_slot, new_tokens=new_tokens, new_len=new_len,
+            new_salt=np.zeros(R, np.uint32), slots=np.array(slots + [-1] * pad, np.int32),
+            want=np.array(want + [0] * pad, np.int32),
+            temperature=np.float32(self.temperature), top_p=np.float32(self.top_p))
+        return plan, order, admit
+
+    def step(self) -> list[tuple[int, int]]:
+        """Run one step; returns the (request id, token) pairs sampled in it."""
+        t0 = time.perf_counter()
+        plan, order, admit = self._plan()
+        if not order and not self._to_free and not self._to_preempt:
+            return []
+        plan = jax.device_put(plan)
+        self.stats.host_to_device += 1
+        self.state, out = self._step(self.static, self.params, self.state, plan)
+        ok, n, hit, sampled, tokens = jax.device_get((out.ok, out.num_new, out.cache_hit, out.sampled, out.tokens))
+        self.stats.device_to_host += 1
+        self._to_free, self._to_preempt = [], []
+        for rid in admit:
+            self.requests[rid].admitted = True
+        events = []
+        refused = []
+        for i, rid in enumerate(order):
+            r = self.requests[rid]
+            if not ok[i]:
+                refused.append((rid, int(plan.want[i])))
+                continue
+            if rid in self.waiting:
+                self.waiting.remove(rid)
+                self.running.append(rid)
+                r.cache_hit = int(hit[i])
+                self.stats.cache_hit_tokens += int(hit[i])
+                self.stats.prompt_tokens += r.total
+            r.computed += int(hit[i]) + int(n[i])
+            self.stats.tokens_computed += int(n[i])
+            if sampled[i]:
+                r.generated.append(int(tokens[i]))
+                events.append((rid, int(tokens[i])))
+                self.stats.generated += 1
+                if r.done:
+                    self.running.remove(rid)
+                    self._to_free.append(r.slot)
+                    r.slot = -1
+        if refused:
+            self._handle_refusals(refused)
+        self.stats.steps += 1
+        self.stats.seconds += time.perf_counter() - t0
+        return events
+
+    def _handle_refusals(self, refused: list[tuple[int, int]]) -> None:
+        """Preempt the latest admitted running request; a request refused alone retries with half the chunk."""
+        others = [rid for rid in self.running if rid not in dict(refused)]
+        if others or (self.running and len(self.running) > 1):
+            victim = self.running.pop()
+            r = self.requests[victim]
+            self._to_preempt.append(r.slot)
+            r.computed = 0
+            r.preemptions += 1
+            self.stats.preemptions += 1
+            self.waiting.insert(0, victim)
+        elif not self._to_free:
+            rid, want = refused[0]
+            r = self.requests[rid]
+            if want <= 1:
+                raise RuntimeError(f"request {rid} ({r.total} tokens) does not fit the KV pool "
+                                   f"({self.layout.num_blocks} blocks) even alone")
+            r.max_chunk = want // 2
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> dict[int, list[int]]:
+        """Step until every request is done; ``progress(done, total)`` after each step."""
+        while self.waiting or self.running or self._to_free:
+            self.step()
+            if progress:
+                progress(sum(r.done for r in self.requests.values()), len(self.requests))
+        return {rid: r.generated for rid, r in self.requests.items()}
+
+    @property
+    def compilations(self) -> int:
+        """How many times the step was compiled (one per static shape bucket)."""
+        return self._step._cache_size()
+
+    # --- snapshots ------------------------------------------------------------------------
+
+    def _host_state(self) -> dict:
+        return {"requests": self.requests, "waiting": self.waiting, "running": self.running,
+                "to_free": self._to_free, "to_preempt": self._to_preempt, "next_id": self._next_id}
+
+    def _set_host_state(self, h: dict) -> None:
+        self.requests, self.waiting, self.running = h["requests"], h["waiting"], h["running"]
+        self._to_free, self._to_preempt, self._next_id = h["to_free"], h["to_preempt"], h["next_id"]
+
+    def snapshot(self) -> tuple[EngineState, dict]:
+        """A copy of the device state and the host's bookkeeping (the step donates the live state)."""
+        return jax.tree.map(jnp.copy, self.state), copy.deepcopy(self._host_state())
+
+    def restore(self, snap: tuple[EngineState, dict]) -> None:
+        """Go back to a snapshot (it stays valid: restoring copies it again)."""
+        state, host = snap
+        self.state = jax.tree.map(jnp.copy, state)
+        self._set_host_state(copy.deepcopy(host))
+
+    def fork(self, rid: int) -> int:
+        """A new running request continuing ``rid`` (same tokens so far); it shares ``rid``'s full blocks."""
+        parent = self.requests[rid]
+        if rid not in self.running:
+            raise ValueError(f"request {rid} is not running")
+        slot = self._free_slot()
+        if slot < 0:
+            raise RuntimeError("no free request slot to fork into")
+        self.state = EngineState(self._fork(self.layout, self.state.alloc, parent.slot, slot),
+                                 self.state.cache, self.state.key)
+        child = copy.deepcopy(parent)
+        child.rid, child.slot = self._next_id, slot
+        child.computed = parent.computed // self.layout.block_size * self.layout.block_size
+        self._next_id += 1
+        self.requests[child.rid] = child
+        self.running.append(child.rid)
+        return child.rid
+
+    def save(self, path: str | Path) -> None:
+        """Save the whole engine (allocator + KV memory + host bookkeeping) under ``path`` with orbax."""
+        import orbax.checkpoint as ocp
+
+        path = Path(path).absolute()
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(path / "state", self.state)
+        host = self._host_state()
+        host = {**host, "requests": {k: vars(r) for k, r in host["requests"].items()}}
+        (path / "host.json").write_text(json.dumps(host))
+
+    def load(self, path: str | Path) -> None:
+        """Restore what ``save`` wrote (the engine must have been built with the same model and sizes)."""
+        import orbax.checkpoint as ocp
+
+        path = Path(path).absolute()
+        with ocp.StandardCheckpointer() as ckpt:
+            self.state = ckpt.restore(path / "state", jax.tree.map(jnp.zeros_like, self.state))
+        host = json.loads((path / "host.json").read_text())
+        host["requests"] = {int(k): Request(**r) for k, r in host["requests"].items()}
+        self._set_host_state(host)
+
+    # --- reporting ------------------------------------------------------------------------
+
+    def blocks_in_use(self) -> list[int]:
+        """Blocks held per KV cache group (distinct non-null table entries of live requests)."""
+        tables = np.asarray(self.state.alloc.tables)            # [R, G, M]
+        live = [r.slot for r in self.requests.values() if r.slot >= 0]
+        return [len(set(tables[live, g].ravel()) - {0}) for g in range(self.layout.num_groups)]

@@ -1,0 +1,195 @@
+"""Tiny hybrid decoder models in Flax NNX (random weights), built from a config dict.
+
+One decoder covers the attention hybrids of the presets: per layer, full /
+sliding-window / chunked-local attention as the layer specs say, plus the
+family's options: QK-norm and Gemma 2 soft-caps (``gemma3_text``), attention
+sinks (``gpt_oss``), NoPE global layers (``llama4_text``, ``no_rope_layers``).
+Every model has two forward passes:
+
+- ``dense(tokens)``: uncached attention over the whole sequence (the oracle);
+- ``paged(tokens, positions, cache, metadata)``: a ragged batch through
+  ``hkv_jax.attention.attention``, reading and writing the paged KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hkv_jax.attention import AttentionMetadata, attention
+from hkv_jax.cache import KVCache
+from hkv_jax.models.hf_config import layers_from_hf_config, text_config
+from hkv_jax.spec import ChunkedLocalSpec, KVSharingSpec, LayerSpec, MambaSpec, SlidingWindowSpec
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """Static shape and options of a tiny decoder (hashable: usable as a jit static argument)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layers: tuple[LayerSpec, ...]
+    qk_norm: bool = False
+    attn_soft_cap: float | None = None
+    final_soft_cap: float | None = None
+    sinks: bool = False
+    rope: tuple[bool, ...] = ()
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any], kv_dtype: str = "float32") -> "TinyConfig":
+        """The decoder a Hugging Face-style config dict describes (attention layers only)."""
+        cfg = text_config(config)
+        layers = layers_from_hf_config(config, dtype=kv_dtype)
+        if any(isinstance(l, (MambaSpec, KVSharingSpec)) for l in layers):
+            raise ValueError("tiny models support attention layers only (no Mamba, no KV sharing)")
+        family = cfg.get("model_type", "")
+        n = len(layers)
+        rope = tuple(bool(r) for r in cfg.get("no_rope_layers") or [1] * n)
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            layers=tuple(layers), qk_norm=family.startswith("gemma3"),
+            attn_soft_cap=cfg.get("attn_logit_softcapping"), final_soft_cap=cfg.get("final_logit_softcapping"),
+            sinks=family == "gpt_oss", rope=rope, rope_theta=float(cfg.get("rope_theta", 10000.0)))
+
+    def window(self, i: int) -> tuple[int | None, int | None]:
+        """(sliding window, chunk size) of layer ``i``."""
+        spec = self.layers[i]
+        return (spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
+                spec.attention_chunk_size if isinstance(spec, ChunkedLocalSpec) else None)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding of ``x: [T, H, D]`` at ``positions: i32[T]`` (half-split convention)."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    ang = positions[:, None, None].astype(jnp.float32) * freq
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def dense_attention(q, k, v, *, window, chunk, soft_cap, sinks) -> jax.Array:
+    """Causal attention over one whole sequence, ``q: [L, Hq, D]``, ``k, v: [L, Hkv, D]`` (the oracle path)."""
+    length, hq, d = q.shape
+    rep = hq // k.shape[1]
+    k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
+    s = jnp.einsum("qhd,khd->hqk", q, k) * d ** -0.5
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    i, j = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
+    mask = j <= i
+    if window is not None:
+        mask &= i - j < window
+    if chunk is not None:
+        mask &= i // chunk == j // chunk
+    s = jnp.where(mask, s, -jnp.inf)
+    if sinks is not None:
+        s = jnp.concatenate([s, jnp.broadcast_to(sinks[:, None, None], (hq, length, 1))], axis=-1)
+    p = jax.nn.softmax(s, axis=-1)[..., :length]
+    return jnp.einsum("hqk,khd->qhd", p, v)
+
+
+class Attention(nnx.Module):
+    """One attention layer; its KV lives in the cache under ``name``."""
+
+    def __init__(self, cfg: TinyConfig, index: int, rngs: nnx.Rngs):
+        self.cfg, self.index, self.name = cfg, index, cfg.layers[index].name
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q = nnx.Linear(h, cfg.num_heads * d, use_bias=False, rngs=rngs)
+        self.k = nnx.Linear(h, cfg.num_kv_heads * d, use_bias=False, rngs=rngs)
+        self.v = nnx.Linear(h, cfg.num_kv_heads * d, use_bias=False, rngs=rngs)
+        self.o = nnx.Linear(cfg.num_heads * d, h, use_bias=False, rngs=rngs)
+        self.q_norm = nnx.RMSNorm(d, rngs=rngs) if cfg.qk_norm else None
+        self.k_norm = nnx.RMSNorm(d, rngs=rngs) if cfg.qk_norm else None
+        self.sinks = nnx.Param(jax.random.normal(rngs.params(), (cfg.num_heads,))) if cfg.sinks else None
+
+    def _qkv(self, x, positions):
+        cfg = self.cfg
+        q = self.q(x).reshape(-1, cfg.num_heads, cfg.head_dim)
+        k = self.k(x).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v(x).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if not cfg.rope or cfg.rope[self.index]:
+            q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        return q, k, v
+
+    def _sinks(self):
+        return None if self.sinks is None else self.sinks[...]
+
+    def dense(self, x):
+        q, k, v = self._qkv(x, jnp.arange(x.shape[0]))
+        window, chunk = self.cfg.window(self.index)
+        out = dense_attention(q, k, v, window=window, chunk=chunk, soft_cap=self.cfg.attn_soft_cap,
+                              sinks=self._sinks())
+        return self.o(out.reshape(x.shape[0], -1))
+
+    def paged(self, x, positions, cache: KVCache, metadata: AttentionMetadata, impl: str):
+        q, k, v = self._qkv(x, positions)
+        out, cache = attention(self.name, q, k, v, cache, metadata, sinks=self._sinks(),
+                               soft_cap=self.cfg.attn_soft_cap, impl=impl)
+        return self.o(out.reshape(x.shape[0], -1)), cache
+
+
+class Block(nnx.Module):
+    """Pre-norm attention + gated MLP."""
+
+    def __init__(self, cfg: TinyConfig, index: int, rngs: nnx.Rngs):
+        self.attn_norm = nnx.RMSNorm(cfg.hidden_size, rngs=rngs)
+        self.attn = Attention(cfg, index, rngs)
+        self.mlp_norm = nnx.RMSNorm(cfg.hidden_size, rngs=rngs)
+        self.gate = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=False, rngs=rngs)
+
+    def mlp(self, x):
+        h = self.mlp_norm(x)
+        return x + self.down(jax.nn.gelu(self.gate(h)) * self.up(h))
+
+
+class TinyLM(nnx.Module):
+    """A tiny hybrid decoder with tied embeddings."""
+
+    def __init__(self, cfg: TinyConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(len(cfg.layers))])
+        self.norm = nnx.RMSNorm(cfg.hidden_size, rngs=rngs)
+
+    def _embed(self, tokens):
+        return self.embed(tokens) * math.sqrt(self.cfg.hidden_size)
+
+    def _logits(self, x):
+        logits = self.embed.attend(self.norm(x))
+        cap = self.cfg.final_soft_cap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+    def dense(self, tokens: jax.Array) -> jax.Array:
+        """Logits ``f32[L, vocab]`` of one whole sequence, without any cache."""
+        x = self._embed(tokens)
+        for b in self.blocks:
+            x = b.mlp(x + b.attn.dense(b.attn_norm(x)))
+        return self._logits(x)
+
+    def paged(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+              metadata: AttentionMetadata, impl: str = "auto") -> tuple[jax.Array, KVCache]:
+        """Logits ``f32[T, vocab]`` of a ragged batch of new tokens, reading and writing the paged cache."""
+        x = self._embed(tokens)
+        for b in self.blocks:
+            a, cache = b.attn.paged(b.attn_norm(x), positions, cache, metadata, impl)
+            x = b.mlp(x + a)
+        return self._logits(x), cache
