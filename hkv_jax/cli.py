@@ -1,4 +1,4 @@
-"""The ``hkv`` command: ``hkv plan`` and ``hkv replay``."""
+"""The ``hkv`` command: ``hkv plan``, ``hkv replay`` and ``hkv demo``."""
 
 from __future__ import annotations
 
@@ -55,6 +55,14 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from hkv_jax.demo import DemoConfig, main_demo
+
+    if args.requests < 1:
+        raise CliError("--requests must be positive")
+    return main_demo(DemoConfig(model=args.model, requests=args.requests, seed=args.seed), as_json=args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hkv``."""
     parser = argparse.ArgumentParser(prog="hkv", description="Hybrid KV cache manager for JAX.")
@@ -77,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--engine", choices=("jax", "model"), default="jax",
                    help="jax: the jitted allocator (default); model: the plain-Python statement of the rules")
     r.set_defaults(func=_cmd_replay)
+    d = sub.add_parser("demo", help="serve a synthetic multi-turn chat on a tiny hybrid model and report")
+    d.add_argument("--model", default="tiny-gemma3", help="tiny-gemma3 (default), tiny-gptoss or tiny-llama4")
+    d.add_argument("--requests", type=int, default=24, help="requests in all (3 turns per conversation)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
+    d.add_argument("--json", action="store_true", help="print the summary as JSON")
+    d.set_defaults(func=_cmd_demo)
     return parser
 
 

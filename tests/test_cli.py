@@ -38,6 +38,8 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
         (["plan", "gemma-3-1b", "--memory", "lots"], "memory size"),
         (["plan", "/nonexistent/config.json"], "no such config"),
         (["plan", "gemma-3-1b", "--dtype", "float3"], "unknown dtype"),
+        (["demo", "--requests", "0"], "--requests"),
+        (["demo", "--model", "gemma-3-27b"], "unknown demo model"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
@@ -51,3 +53,14 @@ def test_malformed_json_file(tmp_path, capsys):
     bad.write_text("{nope")
     assert main(["plan", str(bad)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_demo_serves_and_reports(capsys):
+    assert main(["demo", "--requests", "5", "--json"]) == 0
+    out = capsys.readouterr()
+    summary = json.loads(out.out)
+    assert summary["requests"] == 5 and summary["generated_tokens"] == 5 * 16
+    assert summary["prefix_cache_hit_rate"] > 0  # the shared system prompt and the turn history hit
+    assert summary["transfers_per_step"] == {"host_to_device": 1.0, "device_to_host": 1.0}
+    assert 0 < summary["peak_kv_bytes"] < summary["naive_full_attention_kv_bytes"]
+    assert "5/5 requests" in out.err  # the progress bar

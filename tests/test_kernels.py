@@ -115,19 +115,19 @@ def check(out: np.ndarray, case: Case) -> None:
     np.testing.assert_allclose(out, case.expected, atol=TOL[case.dtype], rtol=TOL[case.dtype])
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=15, **SETTINGS)
 @given(cases())
 def test_reference_equals_dense_attention(case):
     check(run(reference.paged_attention, case), case)
 
 
-@settings(max_examples=25, **SETTINGS)
+@settings(max_examples=12, **SETTINGS)
 @given(cases())
 def test_portable_kernel_equals_dense_attention(case):
     check(run(portable.paged_attention, case, block_q=4, interpret=True), case)
 
 
-@settings(max_examples=8, **SETTINGS)
+@settings(max_examples=5, **SETTINGS)
 @given(cases(block_sizes=(16, 32, 64), groups=(1, 2, 4, 8), head_sizes=(64, 128),
              dtypes=("bfloat16", "float16"), tail=0.0))
 def test_mosaic_gpu_kernel_equals_dense_attention(case):

@@ -36,6 +36,11 @@ from hkv_jax.models.tiny import TinyLM
 from hkv_jax.planner import plan as plan_cache
 
 
+# Module-level, so engines with the same model graph and sizes share compilations.
+_STEP = jax.jit(step, static_argnums=0, donate_argnums=2)
+_FORK = jax.jit(ops.fork, static_argnums=0, donate_argnums=1)
+
+
 @dataclass
 class Request:
     """A request as the host sees it."""
@@ -49,6 +54,7 @@ class Request:
     generated: list[int] = field(default_factory=list)
     cache_hit: int = 0          # prefix-cache tokens of its first (or post-preemption) schedule
     preemptions: int = 0
+    salt: int = 0               # cache salt: requests hit only blocks cached under the same salt
     max_chunk: int = 1 << 30    # lowered when even alone it could not get blocks for a chunk
 
     @property
@@ -82,7 +88,7 @@ class Engine:
 
     def __init__(self, model: TinyLM, *, num_blocks: int, block_size: int = 16, max_requests: int = 8,
                  max_model_len: int = 256, token_budget: int = 64, policy: str = "vllm",
-                 impl: str = "auto", seed: int = 0):
+                 impl: str = "auto", seed: int = 0, prefix_caching: bool = True):
         if token_budget < 1 or max_requests < 1:
             raise ValueError("token_budget and max_requests must be positive")
         self.config = plan_cache(model.cfg.layers, block_size=block_size, policy=policy, num_blocks=num_blocks)
@@ -90,10 +96,9 @@ class Engine:
         graphdef, params = nnx.split(model)
         self.params = params
         self.vocab_size = model.cfg.vocab_size
+        self.model_layers = model.cfg.layers
         self.static = StepStatic(graphdef, self.layout, token_budget, impl)
         self.state = EngineState(init_state(self.layout), init_cache(self.config), jax.random.PRNGKey(seed))
-        self._step = jax.jit(step, static_argnums=0, donate_argnums=2)
-        self._fork = jax.jit(ops.fork, static_argnums=0, donate_argnums=1)
         self.requests: dict[int, Request] = {}
         self.waiting: list[int] = []   # request ids, front first
         self.running: list[int] = []   # admission order
@@ -102,6 +107,11 @@ class Engine:
         self._next_id = 0
         self.stats = Stats()
         self.temperature, self.top_p = 0.0, 1.0
+        # Without prefix caching every admission gets a salt of its own, so nothing ever hits.
+        self.prefix_caching = prefix_caching
+        self._admissions = 0
+        self._hold_admissions = False
+        self.last_output = None
 
     # --- requests -------------------------------------------------------------------------
 
@@ -137,14 +147,16 @@ class Engine:
             if n > 0:
                 slots.append(r.slot), want.append(n), order.append(rid)
                 budget -= n
+        hold, self._hold_admissions = self._hold_admissions, False
         for rid in list(self.waiting):
-            if budget <= 0 or len(slots) >= R:
+            if hold or budget <= 0 or len(slots) >= R:
                 break
             r = self.requests[rid]
-            if r.slot < 0:
-                r.slot = self._free_slot()
+            if not r.admitted:
                 if r.slot < 0:
-                    break
+                    r.slot = self._free_slot()
+                    if r.slot < 0:
+                        break
                 admit.append(rid)
             n = min(r.total - r.computed, budget, r.max_chunk)
             slots.append(r.slot), want.append(n), order.append(rid)
@@ -156,15 +168,19 @@ class Engine:
         new_slot = np.full(R, -1, np.int32)
         new_tokens = np.zeros((R, L), np.int32)
         new_len = np.zeros(R, np.int32)
+        new_salt = np.zeros(R, np.uint32)
         for i, rid in enumerate(admit):
             r = self.requests[rid]
+            if not self.prefix_caching:
+                self._admissions += 1
+                r.salt = self._admissions
             toks = r.prompt + r.generated
-            new_slot[i], new_len[i] = r.slot, len(toks)
+            new_slot[i], new_len[i], new_salt[i] = r.slot, len(toks), r.salt
             new_tokens[i, :len(toks)] = toks
         pad = R - len(slots)
         plan = StepPlan(
             free=free, preempt=preempt, new_slot=new_slot, new_tokens=new_tokens, new_len=new_len,
-            new_salt=np.zeros(R, np.uint32), slots=np.array(slots + [-1] * pad, np.int32),
+            new_salt=new_salt, slots=np.array(slots + [-1] * pad, np.int32),
             want=np.array(want + [0] * pad, np.int32),
             temperature=np.float32(self.temperature), top_p=np.float32(self.top_p))
         return plan, order, admit
@@ -177,7 +193,8 @@ class Engine:
             return []
         plan = jax.device_put(plan)
         self.stats.host_to_device += 1
-        self.state, out = self._step(self.static, self.params, self.state, plan)
+        self.state, out = _STEP(self.static, self.params, self.state, plan)
+        self.last_output = out  # stays on the device; the host reads only the fields below
         ok, n, hit, sampled, tokens = jax.device_get((out.ok, out.num_new, out.cache_hit, out.sampled, out.tokens))
         self.stats.device_to_host += 1
         self._to_free, self._to_preempt = [], []
@@ -213,23 +230,34 @@ class Engine:
         return events
 
     def _handle_refusals(self, refused: list[tuple[int, int]]) -> None:
-        """Preempt the latest admitted running request; a request refused alone retries with half the chunk."""
-        others = [rid for rid in self.running if rid not in dict(refused)]
-        if others or (self.running and len(self.running) > 1):
-            victim = self.running.pop()
-            r = self.requests[victim]
-            self._to_preempt.append(r.slot)
-            r.computed = 0
-            r.preemptions += 1
-            self.stats.preemptions += 1
-            self.waiting.insert(0, victim)
-        elif not self._to_free:
+        """vLLM's policy: a refused running request preempts the latest admitted running one (itself,
+        if it is the latest) and no new request is admitted next step; a refused waiting request just
+        waits. A request refused while it runs alone retries with half the chunk."""
+        running_refused = [(rid, want) for rid, want in refused if rid in self.running]
+        if running_refused:
+            self._hold_admissions = True
+            if len(self.running) > 1:
+                victim = self.running.pop()
+                r = self.requests[victim]
+                self._to_preempt.append(r.slot)
+                r.computed = 0
+                r.admitted = self.prefix_caching  # without caching: re-admitted under a new salt
+                r.preemptions += 1
+                self.stats.preemptions += 1
+                self.waiting.insert(0, victim)
+                return
+            if self._to_free:
+                return  # finished requests free their blocks at the start of the next step
+            rid, want = running_refused[0]
+        elif self.running or self._to_free:
+            return  # waiting requests retry once blocks come free
+        else:
             rid, want = refused[0]
-            r = self.requests[rid]
-            if want <= 1:
-                raise RuntimeError(f"request {rid} ({r.total} tokens) does not fit the KV pool "
-                                   f"({self.layout.num_blocks} blocks) even alone")
-            r.max_chunk = want // 2
+        r = self.requests[rid]
+        if want <= 1:
+            raise RuntimeError(f"request {rid} ({r.total} tokens) does not fit the KV pool "
+                               f"({self.layout.num_blocks} blocks) even alone")
+        r.max_chunk = want // 2
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> dict[int, list[int]]:
         """Step until every request is done; ``progress(done, total)`` after each step."""
@@ -239,20 +267,22 @@ class Engine:
                 progress(sum(r.done for r in self.requests.values()), len(self.requests))
         return {rid: r.generated for rid, r in self.requests.items()}
 
-    @property
-    def compilations(self) -> int:
-        """How many times the step was compiled (one per static shape bucket)."""
-        return self._step._cache_size()
+    @staticmethod
+    def compilations() -> int:
+        """Step programs compiled in this process (one per model graph, allocator layout and token budget)."""
+        return _STEP._cache_size()
 
     # --- snapshots ------------------------------------------------------------------------
 
     def _host_state(self) -> dict:
         return {"requests": self.requests, "waiting": self.waiting, "running": self.running,
-                "to_free": self._to_free, "to_preempt": self._to_preempt, "next_id": self._next_id}
+                "to_free": self._to_free, "to_preempt": self._to_preempt, "next_id": self._next_id,
+                "admissions": self._admissions, "hold_admissions": self._hold_admissions}
 
     def _set_host_state(self, h: dict) -> None:
         self.requests, self.waiting, self.running = h["requests"], h["waiting"], h["running"]
         self._to_free, self._to_preempt, self._next_id = h["to_free"], h["to_preempt"], h["next_id"]
+        self._admissions, self._hold_admissions = h["admissions"], h["hold_admissions"]
 
     def snapshot(self) -> tuple[EngineState, dict]:
         """A copy of the device state and the host's bookkeeping (the step donates the live state)."""
@@ -272,7 +302,7 @@ class Engine:
         slot = self._free_slot()
         if slot < 0:
             raise RuntimeError("no free request slot to fork into")
-        self.state = EngineState(self._fork(self.layout, self.state.alloc, parent.slot, slot),
+        self.state = EngineState(_FORK(self.layout, self.state.alloc, parent.slot, slot),
                                  self.state.cache, self.state.key)
         child = copy.deepcopy(parent)
         child.rid, child.slot = self._next_id, slot
