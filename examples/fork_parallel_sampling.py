@@ -26,7 +26,8 @@ def main() -> None:
     tables = np.asarray(engine.state.alloc.tables[slot])
     ref = np.asarray(engine.state.alloc.bp.pool.ref_count)
     full = tables[:, :6]
-    print("ref counts of the parent's full blocks (1 parent + 3 children):", sorted(set(ref[full[full > 0]])))
+    counts = sorted({int(c) for c in ref[full[full > 0]]})
+    print("ref counts of the parent's full blocks (1 parent + 3 children):", counts)
 
     out = engine.run()
     for rid in [parent, *children]:

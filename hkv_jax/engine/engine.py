@@ -140,16 +140,17 @@ class Engine:
     def _plan(self) -> tuple[StepPlan, list[int], list[int]]:
         R, L = self.layout.max_requests, self.layout.max_model_len
         budget = self.static.token_budget
-        slots, want, order, admit = [], [], [], []
+        picks: list[tuple[int, int]] = []  # (request id, tokens), running first
+        admit: list[int] = []
         for rid in self.running:
             r = self.requests[rid]
             n = min(r.total - r.computed, budget, r.max_chunk)
             if n > 0:
-                slots.append(r.slot), want.append(n), order.append(rid)
+                picks.append((rid, n))
                 budget -= n
         hold, self._hold_admissions = self._hold_admissions, False
         for rid in list(self.waiting):
-            if hold or budget <= 0 or len(slots) >= R:
+            if hold or budget <= 0 or len(picks) >= R:
                 break
             r = self.requests[rid]
             if not r.admitted:
@@ -159,8 +160,11 @@ class Engine:
                         break
                 admit.append(rid)
             n = min(r.total - r.computed, budget, r.max_chunk)
-            slots.append(r.slot), want.append(n), order.append(rid)
+            picks.append((rid, n))
             budget -= n
+        order = [rid for rid, _ in picks]
+        slots = [self.requests[rid].slot for rid in order]
+        want = [n for _, n in picks]
         free = np.zeros(R, bool)
         free[self._to_free] = True
         preempt = np.zeros(R, bool)
