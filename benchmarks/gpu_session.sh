@@ -11,3 +11,4 @@ python benchmarks/attention_gpu.py --mode decode --batch 1,8,64,256 --context 10
   --page 16,64 --repeats 10 --json > "$out/attention_decode.json" 2> >(tee "$out/attention_decode.log" >&2)
 python benchmarks/attention_gpu.py --mode prefill --batch 1,8 --context 4096,32768 --page 16 \
   --repeats 5 --json > "$out/attention_prefill.json" 2> >(tee "$out/attention_prefill.log" >&2)
+python examples/bench_engine_gpu.py --requests 48 2>&1 | tee "$out/engine_steps.log"
