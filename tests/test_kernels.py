@@ -180,3 +180,15 @@ def test_triton_kernels_lower_for_cuda_without_a_gpu():
         for fn, a in ((attn, args), (write, (args[1], sd((64, 8, 128), jnp.bfloat16), sd((64,), jnp.int32)))):
             text = jax.jit(fn).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text or "triton" in text
+
+
+def test_dispatch_picks_by_platform_and_refuses_unknown_impls():
+    import kernels_pallas
+
+    assert kernels_pallas.default_impl() == "reference"  # this suite runs on CPU
+    q = jnp.ones((2, 2, 64), jnp.float32)
+    pages = jnp.ones((3, 2, 1, 8, 64), jnp.float32)
+    args = (q, pages, jnp.array([[1], [2]]), jnp.array([0, 1, 2]), jnp.array([1, 1]), AttentionParams())
+    np.testing.assert_allclose(np.asarray(kernels_pallas.paged_attention(*args)), 1.0)
+    with pytest.raises(ValueError, match="unknown impl"):
+        kernels_pallas.paged_attention(*args, impl="cuda")
