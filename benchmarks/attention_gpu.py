@@ -65,20 +65,14 @@ def case_bytes(batch: int, context: int, page: int, q_tokens: int, kv_heads=KV_H
 def implementations(mode: str, smoke: bool):
     """name -> fn(q, pages, tables, qsl, lens) for the implementations of ``mode``."""
     params = AttentionParams()
-    interp = smoke
-    impls = {
-        "ours": lambda *a: kernels_pallas.paged_attention(*a, params, impl="auto" if not smoke else "triton",
-                                                          interpret=interp),
-        "triton": lambda *a: kernels_pallas.paged_attention(*a, params, impl="triton", interpret=interp),
-        "xla": lambda *a: reference.paged_attention(*a, params),
-    }
-    if not smoke and kernels_pallas.default_impl() == "mosaic_gpu":
-        impls["mosaic_gpu"] = lambda *a: kernels_pallas.paged_attention(*a, params, impl="mosaic_gpu")
-    if smoke:
-        impls["mosaic_gpu"] = lambda *a: kernels_pallas.paged_attention(*a, params, impl="mosaic_gpu",
-                                                                        interpret=True)
+    paged = lambda impl: lambda *a: kernels_pallas.paged_attention(*a, params, impl=impl, interpret=smoke)
+    # On CPU "auto" is the reference; --smoke times the portable kernel under "ours" instead.
+    impls = {"ours": paged("triton" if smoke else "auto"), "triton": paged("triton"),
+             "xla": lambda *a: reference.paged_attention(*a, params)}
+    if smoke or kernels_pallas.default_impl() == "mosaic_gpu":
+        impls["mosaic_gpu"] = paged("mosaic_gpu")
     if mode == "decode":
-        impls["jax"] = jax_paged_attention(interp)
+        impls["jax"] = jax_paged_attention(smoke)
     return impls
 
 

@@ -28,7 +28,7 @@ def main() -> None:
             engine.add_request([(7 * i + j) % 256 for j in range(64 + i % 32)], 16)
         engine.step()  # compile
         times = []
-        while engine.waiting or engine.running:
+        while engine.has_work:
             t = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t)

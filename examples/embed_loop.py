@@ -30,7 +30,7 @@ def main() -> None:
 
     # 4. Your loop: one jitted program per step; the host gets back the sampled tokens only.
     streams: dict[int, list[int]] = {}
-    while engine.waiting or engine.running:
+    while engine.has_work:
         for rid, token in engine.step():
             streams.setdefault(rid, []).append(token)
     for rid, toks in sorted(streams.items()):

@@ -81,7 +81,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     peak_blocks = [0] * engine.layout.num_groups
     peak_ours = peak_naive = 0
     start = time.perf_counter()
-    while engine.waiting or engine.running or engine._to_free:
+    while engine.has_work:
         for rid, _ in engine.step():
             r = engine.requests[rid]
             c = owner[rid]

@@ -30,13 +30,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import ragged
-from kernels_pallas.paged_attention_portable import MASK_VALUE, key_range
+from kernels_pallas.paged_attention_portable import MASK_VALUE
 from kernels_pallas.reference import AttentionParams
 
 ROWS = 64  # query rows per warpgroup: the wgmma M dimension
 
 # Item metadata columns (i32[I, META]).
-_SEQ, _PAGE_LO, _PAGE_HI, _K_LO, _K_HI, META = range(6)
+_SEQ, _PAGE_LO, _PAGE_HI, META = range(4)
 
 
 def supported(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int) -> str | None:
@@ -58,21 +58,15 @@ def supported(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: i
 def _item_metadata(items: ragged.WorkItems, query_start_loc, seq_lens, block_q, bs,
                    params: AttentionParams, group: int):
     """Per item: scalars ``i32[I, META]`` and per-row ``i32[I, 2, ROWS]`` (position, first visible key)."""
-    num_seqs = seq_lens.shape[0]
-    live = items.seq < num_seqs
-    seq = jnp.minimum(items.seq, num_seqs - 1)
-    q_len = query_start_loc[seq + 1] - query_start_loc[seq]
-    first = items.q_block * block_q
-    n_rows = jnp.where(live, jnp.minimum(block_q, q_len - first), 0)
-    p0 = seq_lens[seq] - q_len + first
-    k_lo, k_hi = key_range(p0, p0 + n_rows, params), p0 + n_rows
-    page_hi = jnp.where(n_rows > 0, (k_hi + bs - 1) // bs, 0)
-    scalars = jnp.stack([seq, k_lo // bs, page_hi, k_lo, k_hi], axis=1).astype(jnp.int32)
+    b = ragged.item_bounds(items, query_start_loc, seq_lens, block_q, params)
+    k_hi = b.p0 + b.n_rows
+    page_hi = jnp.where(b.n_rows > 0, (k_hi + bs - 1) // bs, 0)
+    scalars = jnp.stack([b.seq, b.k_lo // bs, page_hi], axis=1).astype(jnp.int32)
     row = jnp.arange(ROWS) // group
-    pos = p0[:, None] + row[None, :]
-    ok = row[None, :] < n_rows[:, None]
+    pos = b.p0[:, None] + row[None, :]
+    ok = row[None, :] < b.n_rows[:, None]
     # First key each row sees: the mask of reference.key_mask as a lower bound.
-    row_lo = key_range(pos, pos + 1, params)
+    row_lo = ragged.first_visible_key(pos, params)
     rows = jnp.stack([jnp.where(ok, pos, -1), jnp.where(ok, row_lo, 0)], axis=1).astype(jnp.int32)
     return scalars, rows
 

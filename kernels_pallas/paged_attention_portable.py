@@ -25,16 +25,6 @@ from kernels_pallas.reference import AttentionParams, key_mask
 MASK_VALUE = -1e30
 
 
-def key_range(first_pos: jax.Array, end_pos: jax.Array, params: AttentionParams) -> jax.Array:
-    """First key position any query in ``[first_pos, end_pos)`` may see (window or chunk start)."""
-    lo = jnp.zeros_like(first_pos)
-    if params.sliding_window is not None:
-        lo = jnp.maximum(lo, first_pos - params.sliding_window + 1)
-    if params.chunk_size is not None:
-        lo = jnp.maximum(lo, first_pos // params.chunk_size * params.chunk_size)
-    return lo
-
-
 def page_step(q, k, v, k_pos, row_pos, row_ok, k_lo, k_hi, carry, params: AttentionParams):
     """One page of online softmax.
 
@@ -75,24 +65,17 @@ def finish(carry, sinks: jax.Array | None) -> jax.Array:
     return acc / jnp.where(l > 0, l, 1.0)[:, None]
 
 
-def _kernel(seq_ref, qb_ref, qsl_ref, lens_ref, bt_ref, q_ref, kv_ref, *rest,
-            params: AttentionParams, block_q: int, num_seqs: int, has_sinks: bool):
+def _kernel(bounds_ref, bt_ref, q_ref, kv_ref, *rest, params: AttentionParams, block_q: int,
+            has_sinks: bool):
     sinks_ref, o_ref = (rest[0], rest[1]) if has_sinks else (None, rest[0])
     item, h = pl.program_id(0), pl.program_id(1)
     _, group, head_size = q_ref.shape
     rows = block_q * group
     bs = kv_ref.shape[3]
-    seq = seq_ref[item]
-    live = seq < num_seqs
-    seq = jnp.minimum(seq, num_seqs - 1)
-    q_start = qsl_ref[seq]
-    q_len = qsl_ref[seq + 1] - q_start
-    first = qb_ref[item] * block_q
-    n_rows = jnp.where(live, jnp.minimum(block_q, q_len - first), 0)
-    p0 = lens_ref[seq] - q_len + first               # position of the item's first query
+    seq, p0, n_rows, k_lo = (bounds_ref[item, c] for c in range(4))  # ragged.ItemBounds
     row = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group
     row_pos, row_ok = p0 + row, row < n_rows
-    k_lo, k_hi = key_range(p0, p0 + n_rows, params), p0 + n_rows
+    k_hi = p0 + n_rows
     q = q_ref[...].reshape(rows, head_size).astype(jnp.float32) * params.scale(head_size)
     k_iota = jax.lax.broadcasted_iota(jnp.int32, (bs,), 0)
 
@@ -125,24 +108,23 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     if two != 2 or dk != d or hq % hkv:
         raise ValueError(f"q {q.shape} does not fit kv_pages {kv_pages.shape}")
     group = hq // hkv
-    num_seqs = block_tables.shape[0]
     items = ragged.work_items(query_start_loc, num_tokens, block_q)
+    b = ragged.item_bounds(items, query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
+                           block_q, params)
+    bounds = jnp.stack([b.seq, b.p0, b.n_rows, b.k_lo], axis=1)          # i32[I, 4]
     n = items.seq.shape[0]
     q_items = ragged.gather_queries(q, items, block_q).reshape(n, block_q, hkv, group, d)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
     in_specs = [
-        whole(items.seq.shape), whole(items.q_block.shape), whole(query_start_loc.shape),
-        whole(seq_lens.shape), whole(block_tables.shape),
+        whole(bounds.shape), whole(block_tables.shape),
         pl.BlockSpec((None, block_q, None, group, d), lambda i, h: (i, 0, h, 0, 0)),
         whole(kv_pages.shape),
     ]
-    args = [items.seq, items.q_block, query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
-            block_tables.astype(jnp.int32), q_items, kv_pages]
+    args = [bounds, block_tables.astype(jnp.int32), q_items, kv_pages]
     if sinks is not None:
         in_specs.append(pl.BlockSpec((None, group), lambda i, h: (h, 0)))
         args.append(sinks.reshape(hkv, group))
-    kernel = functools.partial(_kernel, params=params, block_q=block_q, num_seqs=num_seqs,
-                               has_sinks=sinks is not None)
+    kernel = functools.partial(_kernel, params=params, block_q=block_q, has_sinks=sinks is not None)
     o_items = pl.pallas_call(
         kernel,
         grid=(n, hkv),

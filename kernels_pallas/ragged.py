@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.reference import token_sequences
+from kernels_pallas.reference import AttentionParams, token_sequences
 
 
 def cdiv(a: int, b: int) -> int:
@@ -40,15 +40,10 @@ class WorkItems:
     token_row: jax.Array
 
 
-def num_items(num_tokens: int, num_seqs: int, block_q: int) -> int:
-    """The static number of item slots for ``num_tokens`` tokens of at most ``num_seqs`` sequences."""
-    return cdiv(num_tokens, block_q) + num_seqs
-
-
 def work_items(query_start_loc: jax.Array, num_tokens: int, block_q: int) -> WorkItems:
     """Cut the ragged batch into work items of ``block_q`` query rows."""
     num_seqs = query_start_loc.shape[0] - 1
-    n = num_items(num_tokens, num_seqs, block_q)
+    n = cdiv(num_tokens, block_q) + num_seqs  # each sequence wastes at most one partial item
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     per_seq = (q_len + block_q - 1) // block_q
     ends = jnp.cumsum(per_seq)
@@ -73,3 +68,42 @@ def gather_queries(q: jax.Array, items: WorkItems, block_q: int) -> jax.Array:
 def scatter_outputs(o_items: jax.Array, items: WorkItems) -> jax.Array:
     """``[I, block_q, H, D]`` -> ``[T, H, D]`` (padding tokens get zeros)."""
     return o_items.at[items.token_item, items.token_row].get(mode="fill", fill_value=0)
+
+
+def first_visible_key(pos: jax.Array, params: AttentionParams) -> jax.Array:
+    """First key position a query at ``pos`` may see (its window or chunk start; 0 for full attention)."""
+    lo = jnp.zeros_like(pos)
+    if params.sliding_window is not None:
+        lo = jnp.maximum(lo, pos - params.sliding_window + 1)
+    if params.chunk_size is not None:
+        lo = jnp.maximum(lo, pos // params.chunk_size * params.chunk_size)
+    return lo
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ItemBounds:
+    """What each work item computes (``i32[I]`` each).
+
+    ``seq``: its sequence (clamped to a valid index); ``p0``: position of its first
+    query; ``n_rows``: its query tokens (0 for an unused slot); ``k_lo``: the first
+    key any of its queries sees. Its queries see keys below ``p0 + n_rows``.
+    """
+
+    seq: jax.Array
+    p0: jax.Array
+    n_rows: jax.Array
+    k_lo: jax.Array
+
+
+def item_bounds(items: WorkItems, query_start_loc: jax.Array, seq_lens: jax.Array, block_q: int,
+                params: AttentionParams) -> ItemBounds:
+    """The query and key ranges of every work item."""
+    num_seqs = seq_lens.shape[0]
+    seq = jnp.minimum(items.seq, num_seqs - 1)
+    q_len = query_start_loc[seq + 1] - query_start_loc[seq]
+    first = items.q_block * block_q
+    n_rows = jnp.where(items.seq < num_seqs, jnp.minimum(block_q, q_len - first), 0)
+    p0 = seq_lens[seq] - q_len + first
+    return ItemBounds(seq.astype(jnp.int32), p0.astype(jnp.int32), n_rows.astype(jnp.int32),
+                      first_visible_key(p0, params).astype(jnp.int32))

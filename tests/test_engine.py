@@ -71,7 +71,7 @@ def test_engine_logits_match_the_dense_model():
     prompt = workload()[2]
     eng.add_request(prompt, 3)
     got = []
-    while eng.running or eng.waiting:
+    while eng.has_work:
         if eng.step():
             got.append(np.asarray(eng.last_output.logits[0]))  # on the device until read here
     _, want = dense_greedy(model, prompt, 3)

@@ -263,9 +263,14 @@ class Engine:
                                f"({self.layout.num_blocks} blocks) even alone")
         r.max_chunk = want // 2
 
+    @property
+    def has_work(self) -> bool:
+        """Whether a step would do anything: requests waiting or running, or blocks still to free."""
+        return bool(self.waiting or self.running or self._to_free)
+
     def run(self, progress: Callable[[int, int], None] | None = None) -> dict[int, list[int]]:
         """Step until every request is done; ``progress(done, total)`` after each step."""
-        while self.waiting or self.running or self._to_free:
+        while self.has_work:
             self.step()
             if progress:
                 progress(sum(r.done for r in self.requests.values()), len(self.requests))
