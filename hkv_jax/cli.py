@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jax: the jitted allocator (default); model: the plain-Python statement of the rules")
     r.set_defaults(func=_cmd_replay)
     d = sub.add_parser("demo", help="serve a synthetic multi-turn chat on a tiny hybrid model and report")
-    d.add_argument("--model", default="tiny-gemma3", help="tiny-gemma3 (default), tiny-gptoss or tiny-llama4")
+    d.add_argument("--model", default="tiny-gemma3", help="tiny-gemma3 (default), tiny-gptoss, tiny-llama4 or tiny-jamba")
     d.add_argument("--requests", type=int, default=24, help="requests in all (3 turns per conversation)")
     d.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hkv_jax.cache import read_mamba_state
 from hkv_jax.engine import Engine
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.tiny import TinyConfig, TinyLM
@@ -15,7 +16,8 @@ from hkv_jax.models.tiny import TinyConfig, TinyLM
 MAX_LEN = 128
 # Pools small enough that the parity workload preempts (the groups differ per model).
 PARITY_BLOCKS = {("tiny-gemma3", True): 44, ("tiny-gemma3", False): 40, ("tiny-gptoss", True): 14,
-                 ("tiny-gptoss", False): 20, ("tiny-llama4", True): 24, ("tiny-llama4", False): 28}
+                 ("tiny-gptoss", False): 20, ("tiny-llama4", True): 24, ("tiny-llama4", False): 28,
+                 ("tiny-jamba", True): 20, ("tiny-jamba", False): 20}
 
 
 def tiny(name: str, seed: int = 0) -> TinyLM:
@@ -40,7 +42,7 @@ def workload(seed: int = 0, vocab: int = 256):
     return [system + [int(t) for t in rng.integers(0, vocab, k)] for k in (5, 12, 30, 3)]
 
 
-@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gptoss", "tiny-llama4"])
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gptoss", "tiny-llama4", "tiny-jamba"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_engine_generates_the_dense_models_tokens(name, prefix_caching):
     model = tiny(name)
@@ -76,6 +78,52 @@ def test_engine_logits_match_the_dense_model():
             got.append(np.asarray(eng.last_output.logits[0]))  # on the device until read here
     _, want = dense_greedy(model, prompt, 3)
     np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-4, rtol=1e-4)
+
+
+def test_mamba_state_blocks_hold_the_dense_states_and_serve_hits():
+    """Every Mamba table entry holds the dense model's state after the tokens it stands for (the state
+    after ``(i + 1) * block_size`` tokens once full), also when a chunk starts inside a block; a later
+    request hits the cached state and its logits equal the dense model's."""
+    model = tiny("tiny-jamba")
+    eng = Engine(model, num_blocks=PARITY_BLOCKS["tiny-jamba", True], block_size=8, max_requests=4,
+                 max_model_len=MAX_LEN, token_budget=32, impl="reference")  # the parity test's compile
+    bs = eng.layout.block_size
+    prompts = workload()
+    rid = eng.add_request(prompts[0], 12)
+    eng.requests[rid].max_chunk = 20  # chunks 0..20, then 20..32 (stopped at the block boundary), ...
+    mamba = [(g, grp.layer_names[0]) for g, grp in enumerate(eng.layout.groups) if eng.layout.is_mamba(g)]
+    dense_states = jax.jit(model.dense_states)
+    dense = {}
+    checked, ends = 0, []
+    while eng.has_work:
+        eng.step()
+        r = eng.requests[rid]
+        if r.slot < 0:
+            break
+        ends.append(r.computed)
+        toks = r.prompt + r.generated
+        alloc = eng.state.alloc
+        for g, layer in mamba:
+            row, length = np.asarray(alloc.tables[r.slot, g]), int(alloc.table_len[r.slot, g])
+            for i in np.nonzero(row[:length])[0]:
+                n = min((i + 1) * bs, r.computed)
+                if n not in dense:
+                    dense[n] = dense_states(jnp.asarray(toks + [0] * (MAX_LEN - len(toks))), n)
+                got = read_mamba_state(eng.state.cache, layer, jnp.asarray([[row[i]]]))
+                for a, b in zip(got, dense[n][layer]):
+                    np.testing.assert_allclose(np.asarray(a[0]), np.asarray(b), atol=1e-4, rtol=1e-4)
+                checked += 1
+    assert ends[:3] == [20, 32, 45] and checked > 20
+    # A second request shares the first 40 tokens: it hits the state cached after 32 of them.
+    prompt = prompts[0][:40] + prompts[1][40:]
+    second = eng.add_request(prompt, 3)
+    logits = []
+    while eng.has_work:
+        if eng.step():
+            logits.append(np.asarray(eng.last_output.logits[0]))
+    assert eng.requests[second].cache_hit == 32
+    _, want = dense_greedy(model, prompt, 3)
+    np.testing.assert_allclose(np.stack(logits), np.stack(want), atol=1e-4, rtol=1e-4)
 
 
 def run_tokens(eng: Engine) -> dict[int, list[int]]:

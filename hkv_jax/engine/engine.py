@@ -9,6 +9,10 @@ program). When the allocator refuses a request (``ok=False``), the latest
 admitted running request is preempted in the next step and waits at the
 front of the queue; its prefix may come back from the cache.
 
+Models with Mamba layers: a chunk that starts inside a block stops at the
+next block boundary, so a Mamba state block, once full, holds the state
+after exactly its last token (vLLM's 'align' mode; see ``hkv_jax.recurrent``).
+
 Snapshots: ``snapshot``/``restore`` (copies, since the step donates its
 state), ``fork`` (the child shares its parent's full blocks), and
 ``save``/``load`` of the whole engine (allocator + KV memory) with orbax.
@@ -84,7 +88,7 @@ class Stats:
 
 
 class Engine:
-    """A serving loop around one jitted step. Attention-only tiny models for now (no Mamba)."""
+    """A serving loop around one jitted step for a ``TinyLM`` (attention and Mamba-2 layers)."""
 
     def __init__(self, model: TinyLM, *, num_blocks: int, block_size: int = 16, max_requests: int = 8,
                  max_model_len: int = 256, token_budget: int = 64, policy: str = "vllm",
@@ -97,6 +101,7 @@ class Engine:
         self.params = params
         self.vocab_size = model.cfg.vocab_size
         self.model_layers = model.cfg.layers
+        self._align = any(self.layout.is_mamba(g) for g in range(self.layout.num_groups))
         self.static = StepStatic(graphdef, self.layout, token_budget, impl)
         self.state = EngineState(init_state(self.layout), init_cache(self.config), jax.random.PRNGKey(seed))
         self.requests: dict[int, Request] = {}
@@ -137,6 +142,14 @@ class Engine:
 
     # --- one step -------------------------------------------------------------------------
 
+    def _chunk(self, r: Request, budget: int) -> int:
+        """Tokens ``r`` computes this step: what is left, within the budget and its chunk limit."""
+        n = min(r.total - r.computed, budget, r.max_chunk)
+        bs = self.layout.block_size
+        if self._align and r.computed % bs:
+            n = min(n, bs - r.computed % bs)  # Mamba: stop at the block boundary
+        return n
+
     def _plan(self) -> tuple[StepPlan, list[int], list[int]]:
         R, L = self.layout.max_requests, self.layout.max_model_len
         budget = self.static.token_budget
@@ -144,7 +157,7 @@ class Engine:
         admit: list[int] = []
         for rid in self.running:
             r = self.requests[rid]
-            n = min(r.total - r.computed, budget, r.max_chunk)
+            n = self._chunk(r, budget)
             if n > 0:
                 picks.append((rid, n))
                 budget -= n
@@ -159,7 +172,7 @@ class Engine:
                     if r.slot < 0:
                         break
                 admit.append(rid)
-            n = min(r.total - r.computed, budget, r.max_chunk)
+            n = self._chunk(r, budget)
             picks.append((rid, n))
             budget -= n
         order = [rid for rid, _ in picks]
@@ -306,6 +319,8 @@ class Engine:
     def fork(self, rid: int) -> int:
         """A new running request continuing ``rid`` (same tokens so far); it shares ``rid``'s full blocks."""
         parent = self.requests[rid]
+        if self._align:
+            raise ValueError("fork needs an attention-only model: a Mamba state cannot be shared part-way")
         if rid not in self.running:
             raise ValueError(f"request {rid} is not running")
         slot = self._free_slot()

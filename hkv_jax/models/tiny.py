@@ -1,14 +1,17 @@
 """Tiny hybrid decoder models in Flax NNX (random weights), built from a config dict.
 
-One decoder covers the attention hybrids of the presets: per layer, full /
-sliding-window / chunked-local attention as the layer specs say, plus the
-family's options: QK-norm and Gemma 2 soft-caps (``gemma3_text``), attention
-sinks (``gpt_oss``), NoPE global layers (``llama4_text``, ``no_rope_layers``).
-Every model has two forward passes:
+One decoder covers the hybrids of the presets: per layer, full /
+sliding-window / chunked-local attention or a Mamba-2 mixer as the layer
+specs say, plus the family's options: QK-norm and Gemma 2 soft-caps
+(``gemma3_text``), attention sinks (``gpt_oss``), NoPE global layers
+(``llama4_text``, ``no_rope_layers``), Mamba-2 layers (``mamba_n_heads``
+and friends; Jamba-like layouts). Every model has two forward passes:
 
-- ``dense(tokens)``: uncached attention over the whole sequence (the oracle);
+- ``dense(tokens)``: uncached attention and recurrences over the whole
+  sequence (the oracle);
 - ``paged(tokens, positions, cache, metadata)``: a ragged batch through
-  ``hkv_jax.attention.attention``, reading and writing the paged KV cache.
+  ``hkv_jax.attention.attention`` and the Mamba states in the pages,
+  reading and writing the paged KV cache.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from flax import nnx
 from hkv_jax.attention import AttentionMetadata, attention
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
+from hkv_jax.models.mamba2 import Mamba2, Mamba2Config
 from hkv_jax.spec import ChunkedLocalSpec, KVSharingSpec, LayerSpec, MambaSpec, SlidingWindowSpec
 
 
@@ -44,14 +48,22 @@ class TinyConfig:
     sinks: bool = False
     rope: tuple[bool, ...] = ()
     rope_theta: float = 10000.0
+    mamba: Mamba2Config | None = None
 
     @classmethod
     def from_hf(cls, config: dict[str, Any], kv_dtype: str = "float32") -> "TinyConfig":
-        """The decoder a Hugging Face-style config dict describes (attention layers only)."""
+        """The decoder a Hugging Face-style config dict describes (attention and Mamba-2 layers)."""
         cfg = text_config(config)
         layers = layers_from_hf_config(config, dtype=kv_dtype)
-        if any(isinstance(l, (MambaSpec, KVSharingSpec)) for l in layers):
-            raise ValueError("tiny models support attention layers only (no Mamba, no KV sharing)")
+        if any(isinstance(l, KVSharingSpec) for l in layers):
+            raise ValueError("tiny models do not support KV sharing")
+        mamba = None
+        if any(isinstance(l, MambaSpec) for l in layers):
+            if "mamba_n_heads" not in cfg:
+                raise ValueError("tiny models support Mamba-2 layers only (mamba_n_heads, mamba_d_head, ...)")
+            mamba = Mamba2Config(hidden_size=cfg["hidden_size"], num_heads=cfg["mamba_n_heads"],
+                                 head_dim=cfg["mamba_d_head"], d_state=cfg["mamba_d_state"],
+                                 n_groups=cfg.get("mamba_n_groups", 1), d_conv=cfg["mamba_d_conv"])
         family = cfg.get("model_type", "")
         n = len(layers)
         rope = tuple(bool(r) for r in cfg.get("no_rope_layers") or [1] * n)
@@ -63,7 +75,8 @@ class TinyConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             layers=tuple(layers), qk_norm=family.startswith("gemma3"),
             attn_soft_cap=cfg.get("attn_logit_softcapping"), final_soft_cap=cfg.get("final_logit_softcapping"),
-            sinks=family == "gpt_oss", rope=rope, rope_theta=float(cfg.get("rope_theta", 10000.0)))
+            sinks=family == "gpt_oss", rope=rope, rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            mamba=mamba)
 
     def window(self, i: int) -> tuple[int | None, int | None]:
         """(sliding window, chunk size) of layer ``i``."""
@@ -146,11 +159,13 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm attention + gated MLP."""
+    """Pre-norm mixer (attention or Mamba-2, as the layer's spec says) + gated MLP."""
 
     def __init__(self, cfg: TinyConfig, index: int, rngs: nnx.Rngs):
-        self.attn_norm = nnx.RMSNorm(cfg.hidden_size, rngs=rngs)
-        self.attn = Attention(cfg, index, rngs)
+        spec = cfg.layers[index]
+        self.mixer_norm = nnx.RMSNorm(cfg.hidden_size, rngs=rngs)
+        self.mixer = (Mamba2(cfg.mamba, spec.name, rngs) if isinstance(spec, MambaSpec)
+                      else Attention(cfg, index, rngs))
         self.mlp_norm = nnx.RMSNorm(cfg.hidden_size, rngs=rngs)
         self.gate = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, rngs=rngs)
         self.up = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, rngs=rngs)
@@ -159,6 +174,19 @@ class Block(nnx.Module):
     def mlp(self, x):
         h = self.mlp_norm(x)
         return x + self.down(jax.nn.gelu(self.gate(h)) * self.up(h))
+
+    def dense(self, x):
+        """The block over one whole sequence, uncached."""
+        return self.mlp(x + self.mixer.dense(self.mixer_norm(x)))
+
+    def paged(self, x, positions, cache: KVCache, metadata: AttentionMetadata, impl: str):
+        """The block over a ragged batch, through the paged cache."""
+        h = self.mixer_norm(x)
+        if isinstance(self.mixer, Mamba2):
+            a, cache = self.mixer.paged(h, cache, metadata)
+        else:
+            a, cache = self.mixer.paged(h, positions, cache, metadata, impl)
+        return self.mlp(x + a), cache
 
 
 class TinyLM(nnx.Module):
@@ -182,14 +210,24 @@ class TinyLM(nnx.Module):
         """Logits ``f32[L, vocab]`` of one whole sequence, without any cache."""
         x = self._embed(tokens)
         for b in self.blocks:
-            x = b.mlp(x + b.attn.dense(b.attn_norm(x)))
+            x = b.dense(x)
         return self._logits(x)
+
+    def dense_states(self, tokens: jax.Array, length: jax.Array | int | None = None
+                     ) -> dict[str, tuple[jax.Array, jax.Array]]:
+        """The Mamba state ``(conv, ssm)`` of every Mamba layer (by name) after the first ``length``
+        (default: all) tokens, uncached."""
+        x, states = self._embed(tokens), {}
+        for b in self.blocks:
+            if isinstance(b.mixer, Mamba2):
+                states[b.mixer.name] = b.mixer.dense_state(b.mixer_norm(x), length)
+            x = b.dense(x)
+        return states
 
     def paged(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
               metadata: AttentionMetadata, impl: str = "auto") -> tuple[jax.Array, KVCache]:
         """Logits ``f32[T, vocab]`` of a ragged batch of new tokens, reading and writing the paged cache."""
         x = self._embed(tokens)
         for b in self.blocks:
-            a, cache = b.attn.paged(b.attn_norm(x), positions, cache, metadata, impl)
-            x = b.mlp(x + a)
+            x, cache = b.paged(x, positions, cache, metadata, impl)
         return self._logits(x), cache
