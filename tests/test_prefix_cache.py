@@ -74,3 +74,56 @@ def test_evicting_the_oldest_duplicate_promotes_the_next_oldest():
     assert int(lookup(cache, key, grp)[0]) == 7
     cache = evict(cache, jnp.int32(7))
     assert int(lookup(cache, key, grp)[0]) == 0
+
+
+insert_many = jax.jit(pc.insert_many)
+evict_many = jax.jit(pc.evict_many)
+
+
+def _apply_one_by_one(cache, batch, kind):
+    for b, k, g in batch:
+        if kind == "insert":
+            cache = insert(cache, jnp.int32(b), jnp.asarray(KEYS[k]), jnp.int32(g))
+        else:
+            cache = evict(cache, jnp.int32(b))
+    return cache
+
+
+batch_op = st.tuples(st.sampled_from(["insert", "evict"]),
+                     st.lists(st.tuples(st.integers(0, NB - 1), st.integers(0, 2), st.integers(0, 1)),
+                              min_size=1, max_size=6))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(batch_op, min_size=1, max_size=12), st.sampled_from([16, 32]), st.randoms(use_true_random=False))
+def test_batched_inserts_and_evictions_equal_one_by_one(batches, slots, rnd):
+    """Same lookups, cached set and duplicate order (checked by evicting everything one by one at the end)."""
+    a = b = pc.init_prefix_cache(NB, slots)
+    cached: set[int] = set()
+    all_keys = jnp.asarray(np.stack([k for k in KEYS for _ in (0, 1)]))
+    all_groups = jnp.asarray([g for _ in KEYS for g in (0, 1)], jnp.int32)
+    for kind, batch in batches:
+        seen, clean = set(), []
+        for blk, k, g in batch:  # distinct ids; inserts only of uncached blocks (the functions' contracts)
+            if blk in seen or (kind == "insert" and blk in cached):
+                continue
+            seen.add(blk)
+            clean.append((blk, k, g))
+        if not clean:
+            continue
+        blocks = jnp.asarray([x[0] for x in clean], jnp.int32)
+        if kind == "insert":
+            a = insert_many(a, blocks, jnp.asarray(np.stack([KEYS[x[1]] for x in clean])),
+                            jnp.asarray([x[2] for x in clean], jnp.int32))
+            cached |= {x[0] for x in clean if x[0] > 0}
+        else:
+            a = evict_many(a, blocks)
+            cached -= {x[0] for x in clean}
+        b = _apply_one_by_one(b, clean, kind)
+        assert np.asarray(lookup(a, all_keys, all_groups)).tolist() == np.asarray(lookup(b, all_keys, all_groups)).tolist()
+        assert np.asarray(pc.is_cached(a)).tolist() == np.asarray(pc.is_cached(b)).tolist()
+    order = sorted(cached)
+    rnd.shuffle(order)
+    for blk in order:
+        a, b = evict(a, jnp.int32(blk)), evict(b, jnp.int32(blk))
+        assert np.asarray(lookup(a, all_keys, all_groups)).tolist() == np.asarray(lookup(b, all_keys, all_groups)).tolist()

@@ -154,3 +154,87 @@ def is_cached(cache: PrefixCache) -> jax.Array:
 def reset(cache: PrefixCache) -> PrefixCache:
     """Drop every entry (``reset_prefix_cache``; the caller checks that no block is held)."""
     return init_prefix_cache(cache.block_slot.shape[0], cache.group.shape[0])
+
+
+# --- batched updates (same results as the one-at-a-time functions, in the given order) --------
+
+
+def evict_many(cache: PrefixCache, blocks: jax.Array) -> PrefixCache:
+    """``evict`` each id of ``blocks: i32[K]`` in order (0 entries are skipped; ids distinct).
+
+    Blocks that are the only one under their key are dropped in one vectorised
+    update (their keys are independent of every other block's); blocks whose
+    key has duplicates go through ``evict`` one by one, in order.
+    """
+    n = cache.block_slot.shape[0]
+    valid = blocks > 0
+    b = jnp.where(valid, blocks, 0)
+    s = cache.block_slot[b]
+    has = valid & (s >= 0)
+    s0 = jnp.maximum(s, 0)
+    alone = has & (cache.dups[s0] == 0)
+    size = cache.group.shape[0]
+    cache = replace(
+        cache,
+        group=cache.group.at[jnp.where(alone, s0, size)].set(TOMBSTONE, mode="drop"),
+        block_slot=cache.block_slot.at[jnp.where(alone, b, n)].set(-1, mode="drop"),
+    )
+    rest = has & ~alone
+    order = jnp.nonzero(rest, size=blocks.shape[0], fill_value=0)[0]
+    return jax.lax.fori_loop(0, jnp.sum(rest), lambda i, c: evict(c, blocks[order[i]]), cache)
+
+
+def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: jax.Array) -> PrefixCache:
+    """``insert`` each non-null ``blocks[i]`` (not cached now; ids distinct) under (``keys[i]``, ``groups[i]``), in order.
+
+    ``blocks: i32[K]``, ``keys: u32[K, 4]``, ``groups: i32[K]``. Keys already in
+    the table gain a duplicate; the others claim slots in rounds: every pending
+    key looks at its probe slot, joins it if an earlier key of the batch put
+    the same key there, claims it if free (the earliest claimant wins; the
+    others look again next round) or moves on. Slots may differ from one-by-one
+    inserts, but every key stays reachable from its home slot, which block a
+    lookup returns (the oldest) and the duplicate counts are the same.
+    """
+    K, size, n = blocks.shape[0], cache.group.shape[0], cache.block_slot.shape[0]
+    mask = size - 1
+    do = blocks > 0
+    rank = jnp.cumsum(do, dtype=jnp.int32) - 1                         # insertion order among the real ones
+    found = jax.vmap(lambda k, g: _probe(cache, k, g)[0])(keys, groups)
+    idx = jnp.arange(K, dtype=jnp.int32)
+    home = jax.vmap(lambda k, g: _home(cache, k, g))(keys, groups)
+    big = jnp.iinfo(jnp.int32).max
+
+    def cond(c):
+        return jnp.any(c[1])
+
+    def body(c):
+        cache, pending, probe, slot_of = c
+        occupied = cache.group[probe] >= 0
+        same = occupied & (cache.group[probe] == groups) & jnp.all(cache.keys[probe] == keys, axis=-1)
+        joined = pending & same
+        free = pending & ~occupied
+        claim = jnp.full(size, big, jnp.int32).at[jnp.where(free, probe, size)].min(idx, mode="drop")
+        won = free & (claim[probe] == idx)
+        tgt = jnp.where(won, probe, size)
+        cache = replace(
+            cache,
+            keys=cache.keys.at[tgt].set(keys, mode="drop"),
+            group=cache.group.at[tgt].set(groups, mode="drop"),
+            block=cache.block.at[tgt].set(blocks, mode="drop"),
+            dups=cache.dups.at[tgt].set(0, mode="drop"),
+        )
+        slot_of = jnp.where(won | joined, probe, slot_of)
+        moved = pending & occupied & ~same
+        return cache, pending & ~(won | joined), jnp.where(moved, (probe + 1) & mask, probe), slot_of
+
+    new = do & (found < 0)
+    cache, _, _, slot_of = jax.lax.while_loop(cond, body, (cache, new, home, found))
+    # Every block that did not open its key is a duplicate of it.
+    dup = do & (cache.block[jnp.maximum(slot_of, 0)] != blocks)
+    return replace(
+        cache,
+        dups=cache.dups.at[jnp.where(dup, slot_of, size)].add(1, mode="drop"),
+        block_slot=cache.block_slot.at[jnp.where(do, blocks, n)].set(slot_of, mode="drop"),
+        cached_at=cache.cached_at.at[jnp.where(do, blocks, n)].set(cache.clock + rank, mode="drop"),
+        clock=cache.clock + jnp.sum(do, dtype=jnp.int32),
+    )
