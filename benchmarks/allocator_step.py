@@ -2,8 +2,8 @@
 
 The workload of ``shared/tools/vllm_oracle/replay.py --bench`` (vLLM 0.33's KVCacheManager), run through
 hkv-jax's jitted allocator: block size 16, prefix caching on, ``vllm`` planner policy, pool sized by the
-oracle's formula. Prefill = lookup + allocate of the whole prompt for every request (one ``schedule_batch``
-program); a decode step = every request allocates one more token (one ``decode_step`` program; it reports
+oracle's formula. Prefill = lookup + allocate of the whole prompt for every request (one ``prefill_batch``
+program; it reports whether its vectorised path ran); a decode step = every request allocates one more token (one ``decode_step`` program; it reports
 whether its vectorised path ran). Times are wall clock after
 compilation, with ``block_until_ready``; decode is the median of the 32 steps, prefill the median of
 ``--repeats`` fresh prefills. Run: ``python benchmarks/allocator_step.py [--models full32,gemma3,gptoss]
@@ -55,7 +55,7 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None) 
     toks[:, :PROMPT] = rng.integers(1, 32000, size=(batch, PROMPT))
     slots = jnp.arange(batch, dtype=jnp.int32)
     add = jax.jit(ops.add_batch, static_argnums=0)
-    sched = jax.jit(ops.schedule_batch, static_argnums=0)
+    sched = jax.jit(ops.prefill_batch, static_argnums=0, donate_argnums=1)
     decode = jax.jit(ops.decode_step, static_argnums=0, donate_argnums=1)
     append = jax.jit(ops.append_batch, static_argnums=0, donate_argnums=1)
 
@@ -66,12 +66,13 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None) 
 
     # Prefill: compile once, then time fresh prefills.
     jax.block_until_ready(sched(layout, fresh(), slots, jnp.full(batch, -1, jnp.int32)))
-    prefill = []
+    prefill, prefill_vectorised = [], 0
     for _ in range(repeats):
         st = fresh()
         t = time.perf_counter()
-        st, ok, _, _ = jax.block_until_ready(sched(layout, st, slots, jnp.full(batch, -1, jnp.int32)))
+        st, ok, _, _, fast = jax.block_until_ready(sched(layout, st, slots, jnp.full(batch, -1, jnp.int32)))
         prefill.append(time.perf_counter() - t)
+        prefill_vectorised += int(fast)
         if not bool(ok.all()):
             raise RuntimeError("pool too small for the prefill")
     st = append(layout, st, slots, jnp.asarray(rng.integers(1, 32000, batch), jnp.int32))
@@ -86,8 +87,10 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None) 
             raise RuntimeError("pool too small for decode")
         st = append(layout, st, slots, jnp.asarray(rng.integers(1, 32000, batch), jnp.int32))
     return {"model": name, "batch": batch, "num_blocks": nb, "groups": groups,
-            "decode_step_us": round(statistics.median(steps) * 1e6, 1), "vectorised_steps": vectorised,
-            "prefill_us_per_request": round(statistics.median(prefill) / batch * 1e6, 1)}
+            "decode_step_us": round(statistics.median(steps) * 1e6, 1),
+            "decode_step_mean_us": round(statistics.mean(steps) * 1e6, 1), "vectorised_steps": vectorised,
+            "prefill_us_per_request": round(statistics.median(prefill) / batch * 1e6, 1),
+            "prefill_vectorised": prefill_vectorised == repeats}
 
 
 def main(argv=None) -> int:
@@ -109,10 +112,12 @@ def main(argv=None) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"machine: {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, jax {jax.__version__}")
-    print(f"{'model':<8} {'B':>5} {'blocks':>9} {'decode step us':>15} {'vectorised':>10} {'prefill us/req':>15}")
+    print(f"{'model':<8} {'B':>5} {'blocks':>9} {'decode step us':>15} {'(mean)':>9} {'vectorised':>10} "
+          f"{'prefill us/req':>15} {'vectorised':>10}")
     for r in rows:
         print(f"{r['model']:<8} {r['batch']:>5} {r['num_blocks']:>9} {r['decode_step_us']:>15} "
-              f"{r['vectorised_steps']:>7}/{DECODE} {r['prefill_us_per_request']:>15}")
+              f"{r['decode_step_mean_us']:>9} {r['vectorised_steps']:>7}/{DECODE} {r['prefill_us_per_request']:>15} "
+              f"{str(r['prefill_vectorised']):>10}")
     return 0
 
 

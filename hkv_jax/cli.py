@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from hkv_jax.models import layers_from_hf_config, resolve_model
 from hkv_jax.models.hf_config import text_config
@@ -60,7 +61,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     if args.requests < 1:
         raise CliError("--requests must be positive")
-    return main_demo(DemoConfig(model=args.model, requests=args.requests, seed=args.seed), as_json=args.json)
+    cfg = DemoConfig(model=args.model, requests=args.requests, seed=args.seed,
+                     window_aware_eviction=args.window_aware_eviction)
+    if args.num_blocks is not None:
+        cfg = replace(cfg, num_blocks=args.num_blocks)
+    return main_demo(cfg, as_json=args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--requests", type=int, default=24, help="requests in all (3 turns per conversation)")
     d.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
+    d.add_argument("--num-blocks", type=int, help="KV pool size in blocks (default 160)")
+    d.add_argument("--window-aware-eviction", action="store_true",
+                   help="blocks leaving a sliding window go to the front of the free queue (our policy)")
     d.set_defaults(func=_cmd_demo)
     return parser
 

@@ -43,6 +43,7 @@ class DemoConfig:
     token_budget: int = 64
     max_model_len: int = 256
     seed: int = 0
+    window_aware_eviction: bool = False
 
 
 def build_engine(cfg: DemoConfig) -> Engine:
@@ -52,7 +53,8 @@ def build_engine(cfg: DemoConfig) -> Engine:
     _, config = resolve_model(cfg.model)
     model = TinyLM(TinyConfig.from_hf(config), nnx.Rngs(cfg.seed))
     return Engine(model, num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_requests=cfg.max_requests,
-                  max_model_len=cfg.max_model_len, token_budget=cfg.token_budget, seed=cfg.seed)
+                  max_model_len=cfg.max_model_len, token_budget=cfg.token_budget, seed=cfg.seed,
+                  window_aware_eviction=cfg.window_aware_eviction)
 
 
 def _bar(done: int, total: int, extra: str) -> None:

@@ -39,6 +39,25 @@ HYBRID_MODELS = {
 }
 
 
+def semantic(st, layout):
+    """What two allocator states must share to be equal in behaviour: queue order, refs, tables,
+    computed tokens, which blocks are cached and where lookups land (not the table slots)."""
+    import jax.numpy as jnp
+
+    from hkv_jax.allocator import prefix_cache as pc
+    from hkv_jax.allocator.pool import queue_order
+
+    keys = np.asarray(st.hashes).reshape(-1, 4)
+    out = {"queue": queue_order(st.bp.pool), "free": int(st.bp.pool.num_free),
+           "ref_count": np.asarray(st.bp.pool.ref_count).tolist(), "status": np.asarray(st.status).tolist()}
+    for f in ("tables", "table_len", "num_computed", "num_cached", "retired", "last_state"):
+        out[f] = np.asarray(getattr(st, f)).tolist()
+    out["cached"] = (np.asarray(st.bp.cache.block_slot) >= 0).tolist()
+    out["lookups"] = [np.asarray(pc.lookup(st.bp.cache, jnp.asarray(keys), jnp.full(len(keys), g, jnp.int32))).tolist()
+                      for g in range(layout.num_groups)]
+    return out
+
+
 # The oracle of the attention kernels: plain attention over an unpaged sequence.
 def dense_attention(q, k, v, params, sinks) -> np.ndarray:
     """Plain causal attention in numpy of one unpaged sequence (the oracle).

@@ -93,3 +93,23 @@ def test_unsupported_layouts_are_refused_clearly():
     cfg = plan(mixed, block_size=4, policy="min-waste", num_blocks=10)
     with pytest.raises(ValueError, match="spanning"):
         KVCacheManager(cfg, max_model_len=32)
+
+
+@pytest.mark.parametrize("aware", [False, True])
+def test_window_aware_eviction_sends_out_of_window_blocks_to_the_queue_front(aware):
+    from hkv_jax.allocator.pool import queue_order
+
+    m = KVCacheManager(plan(LAYERS, block_size=4, policy="vllm", num_blocks=40), max_model_len=64, max_requests=4,
+                       window_aware_eviction=aware)
+    m.add("a", list(range(1, 23)))
+    assert m.schedule("a", "all", 7)["ok"]  # 22 tokens: 6 blocks per group
+    sliding = np.asarray(m.state.tables[m._slots["a"], 1])
+    assert m.schedule("a", 1, None)["ok"]  # releases sliding blocks 0-2 (window 8), takes no new block
+    out_of_window = [int(b) for b in sliding[:3][::-1]]  # freed last block first
+    queue = queue_order(m.state.bp.pool)
+    cached = np.asarray(m.state.bp.cache.block_slot)
+    assert all(cached[b] >= 0 for b in out_of_window)  # still cached either way: a hit may still take them
+    if aware:
+        assert queue[:3] == out_of_window  # evicted first
+    else:
+        assert queue[-3:] == out_of_window and queue[:3] != out_of_window  # LRU tail

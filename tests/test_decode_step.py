@@ -6,27 +6,12 @@ import numpy as np
 import pytest
 
 from hkv_jax.allocator import ops
-from hkv_jax.allocator.pool import queue_order
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.planner import plan
-from conftest import HYBRID_MODELS
+from conftest import HYBRID_MODELS, semantic
 
 B, BS, T = 6, 4, 64
 MODELS = HYBRID_MODELS
-
-
-def semantic(st, layout):
-    """What must agree: queue order, refs, tables, computed tokens, which blocks are cached and where lookups land."""
-    keys = np.asarray(st.hashes).reshape(-1, 4)
-    out = {"queue": queue_order(st.bp.pool), "free": int(st.bp.pool.num_free)}
-    for f in ("ref_count",):
-        out[f] = np.asarray(getattr(st.bp.pool, f)).tolist()
-    for f in ("tables", "table_len", "num_computed", "num_cached", "retired", "last_state"):
-        out[f] = np.asarray(getattr(st, f)).tolist()
-    out["cached"] = (np.asarray(st.bp.cache.block_slot) >= 0).tolist()
-    out["lookups"] = [np.asarray(ops.BP.pc.lookup(st.bp.cache, jnp.asarray(keys), jnp.full(len(keys), g, jnp.int32))).tolist()
-                      for g in range(layout.num_groups)]
-    return out
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

@@ -76,7 +76,7 @@ def test_evicting_the_oldest_duplicate_promotes_the_next_oldest():
     assert int(lookup(cache, key, grp)[0]) == 0
 
 
-insert_many = jax.jit(pc.insert_many)
+insert_many = jax.jit(pc.insert_many, static_argnames="claims")
 evict_many = jax.jit(pc.evict_many)
 
 
@@ -95,8 +95,9 @@ batch_op = st.tuples(st.sampled_from(["insert", "evict"]),
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(batch_op, min_size=1, max_size=12), st.sampled_from([16, 32]), st.randoms(use_true_random=False))
-def test_batched_inserts_and_evictions_equal_one_by_one(batches, slots, rnd):
+@given(st.lists(batch_op, min_size=1, max_size=12), st.sampled_from([16, 32]), st.randoms(use_true_random=False),
+       st.sampled_from(["table", "sorted"]))
+def test_batched_inserts_and_evictions_equal_one_by_one(batches, slots, rnd, claims):
     """Same lookups, cached set and duplicate order (checked by evicting everything one by one at the end)."""
     a = b = pc.init_prefix_cache(NB, slots)
     cached: set[int] = set()
@@ -114,7 +115,7 @@ def test_batched_inserts_and_evictions_equal_one_by_one(batches, slots, rnd):
         blocks = jnp.asarray([x[0] for x in clean], jnp.int32)
         if kind == "insert":
             a = insert_many(a, blocks, jnp.asarray(np.stack([KEYS[x[1]] for x in clean])),
-                            jnp.asarray([x[2] for x in clean], jnp.int32))
+                            jnp.asarray([x[2] for x in clean], jnp.int32), claims=claims)
             cached |= {x[0] for x in clean if x[0] > 0}
         else:
             a = evict_many(a, blocks)

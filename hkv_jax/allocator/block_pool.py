@@ -37,9 +37,13 @@ def get_new_blocks(state: BlockPoolState, count: jax.Array, max_count: int) -> t
     return BlockPoolState(pool=pool, cache=cache), ids
 
 
-def free_blocks(state: BlockPoolState, blocks: jax.Array) -> BlockPoolState:
-    """Drop one reference from each non-null id in ``blocks`` (eviction priority order)."""
-    cached = state.cache.block_slot[jnp.maximum(blocks, 0)] >= 0
+def free_blocks(state: BlockPoolState, blocks: jax.Array, front: bool = False) -> BlockPoolState:
+    """Drop one reference from each non-null id in ``blocks`` (eviction priority order).
+
+    ``front`` (static): every freed block goes to the front of the queue, cached or not
+    (it keeps its cache entry until it is popped): window-aware eviction.
+    """
+    cached = (state.cache.block_slot[jnp.maximum(blocks, 0)] >= 0) & (not front)
     return BlockPoolState(pool=P.free_ordered(state.pool, blocks, cached), cache=state.cache)
 
 

@@ -39,11 +39,15 @@ class KVCacheManager:
 
     With ``donate=True`` every call updates the state's buffers in place; a
     state you kept a reference to is then invalid (use ``snapshot()``).
+    ``window_aware_eviction=True`` (not vLLM's behaviour) sends blocks that
+    leave a sliding window or local chunk to the front of the free queue.
     """
 
-    def __init__(self, cfg: KVCacheConfig, max_model_len: int, max_requests: int = 64, donate: bool = False):
+    def __init__(self, cfg: KVCacheConfig, max_model_len: int, max_requests: int = 64, donate: bool = False,
+                 window_aware_eviction: bool = False):
         self.cfg = cfg
-        self.layout = Layout.from_config(cfg, max_model_len, max_requests)
+        self.layout = Layout.from_config(cfg, max_model_len, max_requests,
+                                         window_aware_eviction=window_aware_eviction)
         self.state: AllocatorState = init_state(self.layout)
         self._ops = jitted_ops(self.layout, donate)
         self._donate = donate

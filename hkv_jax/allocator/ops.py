@@ -20,6 +20,7 @@ from hkv_jax.allocator import pool as P
 from hkv_jax.allocator.hashing import SEED, block_hashes, hash_one_block
 from hkv_jax.allocator.managers import lookup, skipped_tokens
 from hkv_jax.allocator.state import EMPTY, RUNNING, WAITING, AllocatorState, Layout
+from hkv_jax.spec import FullAttentionSpec
 
 _NO_EXTRA = jnp.zeros(0, jnp.uint32)
 
@@ -112,7 +113,7 @@ def _remove_skipped(layout: Layout, state: AllocatorState, slot, g: int, compute
     """Release the blocks group ``g`` no longer needs after ``computed`` tokens (replaced by the null block)."""
     row, retired, _, released = _skip_row(layout, g, state.tables[slot, g], state.table_len[slot, g],
                                           state.retired[slot, g], state.last_state[slot, g], computed)
-    bp = BP.free_blocks(BP.free_blocks(state.bp, released[0]), released[1])
+    bp = BP.free_blocks(BP.free_blocks(state.bp, released[0], front=layout.evicts_early(g)), released[1])
     return _set_row(_replace(state, bp=bp), slot, g, row, retired=retired)
 
 
@@ -320,6 +321,112 @@ def schedule_batch(layout: Layout, state: AllocatorState, slots, num_tokens):
     return state, ok, n, h
 
 
+def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens):
+    """``schedule_batch`` for waiting requests (first schedule: prefix lookup + allocation + caching),
+    vectorised over the batch: one lookup for every request, one pop for every new block, one
+    batched cache insert.
+
+    ``slots: i32[B]`` distinct, ``num_tokens: i32[B]`` (-1: all). Same state and results as
+    ``schedule_batch`` when the requests are independent: every hit block is held by some
+    request (no hit takes a block out of the free queue), no two requests of the batch share a
+    block they compute (one would hit the other's block), every request gets its blocks, and no
+    popped block's key has duplicates. Otherwise it falls back to ``schedule_batch``.
+    Returns (state, ok ``bool[B]``, new tokens ``i32[B]``, cache-hit tokens ``i32[B]``, whether
+    the vectorised path ran).
+    """
+    bs, G, M = layout.block_size, layout.num_groups, layout.max_blocks
+    B = slots.shape[0]
+    H = state.hashes.shape[1]
+    hit_blocks, h, _ = jax.vmap(lambda s: lookup(layout, state, s))(slots)  # [B, G, H], [B]
+    hits = jnp.pad(hit_blocks, ((0, 0), (0, 0), (0, M - H)))               # [B, G, M]
+    C, T = state.num_computed[slots], state.num_tokens[slots]
+    remaining = T - C - h
+    n = jnp.where(num_tokens < 0, remaining, jnp.minimum(num_tokens, remaining))
+    computed = jnp.minimum(C + h, layout.max_model_len)
+    main = computed + n
+    need = jnp.minimum(main, layout.max_model_len)
+    nhit = h // bs
+    idx = jnp.arange(M)
+    nfull = jnp.minimum(jnp.minimum(computed + n, T), (T // bs) * bs) // bs
+
+    rows, cnt, first, lens, last = [], [], [], [], []
+    for g in range(G):
+        skipped = skipped_tokens(layout.groups[g].spec, computed) // bs
+        rows.append(jnp.where((idx[None] >= skipped[:, None]) & (idx[None] < nhit[:, None]), hits[:, g], 0))
+        if layout.is_mamba(g):
+            required = _cdiv(main, bs)
+            grow = required > nhit
+            cnt.append(grow.astype(jnp.int32))
+            first.append(required - 1)
+            lens.append(jnp.where(grow, required, nhit))
+            last.append(jnp.where(grow & (nhit > 0), nhit - 1, -1))
+        else:
+            cnt.append(jnp.maximum(_cdiv(need, bs) - nhit, 0))
+            first.append(nhit)
+            lens.append(nhit + cnt[-1])
+            last.append(jnp.full(B, -1, jnp.int32))
+    rows, cnt, first = jnp.stack(rows, 1), jnp.stack(cnt, 1), jnp.stack(first, 1)  # [B, G, M], [B, G]
+    total = jnp.sum(cnt)
+
+    pool, cache = state.bp.pool, state.bp.cache
+    held = pool.ref_count[rows] > 0
+    # Two requests computing a block with the same hash: the later one would hit the earlier one's.
+    m = jnp.maximum(nhit[:, None], nhit[None, :])                           # [B, B]
+    hm = state.hashes[slots[:, None], jnp.minimum(m, H - 1)]                  # [B, B, 4]: request i at m_ij
+    shared = jnp.all(hm == jnp.swapaxes(hm, 0, 1), axis=-1) & (m < nfull[:, None]) & (m < nfull[None, :])
+    mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
+    last_hit = jnp.take_along_axis(rows, jnp.maximum(nhit - 1, 0)[:, None, None], axis=2)[:, :, 0]  # [B, G]
+    key_slot = cache.block_slot[last_hit]
+    stale = mamba_g[None] & (nhit[:, None] > 0) & (key_slot >= 0) & state.step_cached[jnp.maximum(key_slot, 0)]
+    max_new = B * G * M
+    pop = P.pop_plan(pool, total, max_new)
+    fast = (
+        jnp.all(state.status[slots] == WAITING) & jnp.all(state.table_len[slots] == 0) & jnp.all(n > 0)
+        & jnp.all(held | (rows == 0)) & ~jnp.any(shared & ~jnp.eye(B, dtype=bool)) & ~jnp.any(stale)
+        & (total <= pool.num_free) & pop.enough & ~jnp.any(BP.pc.needs_promotion(cache, pop.ids))
+    )
+    # New blocks in request, group, table order: entry j of (b, g) takes ids[offset + j - first].
+    offset = (jnp.cumsum(cnt.reshape(-1)) - cnt.reshape(-1)).reshape(B, G)
+    k = idx[None, None] - first[:, :, None]
+    fresh = (k >= 0) & (k < cnt[:, :, None])
+    rows = jnp.where(fresh, pop.ids[jnp.clip(offset[:, :, None] + k, 0, max_new - 1)], rows)
+    new_cached = (idx[None, None] >= nhit[:, None, None]) & (idx[None, None] < nfull[:, None, None]) & (rows > 0)
+    keys = state.hashes[slots][:, jnp.minimum(idx, H - 1)]                     # [B, M, 4]
+    keys = jnp.broadcast_to(keys[:, None], (B, G, M, 4))
+    groups = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32)[None, :, None], (B, G, M))
+
+    def vectorised(state: AllocatorState):
+        touched = jnp.where(fresh, 0, rows)
+        p = P.pop_apply(state.bp.pool, pop)
+        p = replace(p, ref_count=p.ref_count.at[jnp.where(touched > 0, touched, layout.num_blocks)].add(
+            1, mode="drop"))
+        c = BP.pc.evict_alone(state.bp.cache, pop.ids)
+        c = BP.pc.insert_many(c, jnp.where(new_cached, rows, 0).reshape(-1), keys.reshape(-1, 4), groups.reshape(-1))
+        marked = new_cached & mamba_g[None, :, None]
+        size = state.step_cached.shape[0]
+        step_cached = state.step_cached.at[
+            jnp.where(marked, c.block_slot[jnp.where(marked, rows, 0)], size)].set(True, mode="drop")
+        st = _replace(
+            state,
+            bp=BP.BlockPoolState(pool=p, cache=c),
+            step_cached=step_cached,
+            status=state.status.at[slots].set(RUNNING),
+            tables=state.tables.at[slots].set(rows),
+            table_len=state.table_len.at[slots].set(jnp.stack(lens, 1)),
+            num_cached=state.num_cached.at[slots].set(jnp.maximum(nhit, nfull)[:, None] + jnp.zeros((1, G), jnp.int32)),
+            last_state=state.last_state.at[slots].set(jnp.stack(last, 1)),
+            num_computed=state.num_computed.at[slots].set(C + h + n),
+        )
+        return st, (jnp.ones(B, bool), n, h)
+
+    def sequential(state: AllocatorState):
+        st, ok, n_, h_ = schedule_batch(layout, state, slots, num_tokens)
+        return st, (ok, n_, h_)
+
+    state, (ok, n, h) = _cond_mutable(fast, vectorised, sequential, state)
+    return state, ok, n, h, fast
+
+
 def append_batch(layout: Layout, state: AllocatorState, slots, tokens) -> AllocatorState:
     """``append_token`` for each (slot, token), in order."""
     def body(st, x):
@@ -328,114 +435,166 @@ def append_batch(layout: Layout, state: AllocatorState, slots, tokens) -> Alloca
     return jax.lax.scan(body, state, (slots, tokens))[0]
 
 
+class _Releases(NamedTuple):
+    """The free calls of one step, one block at most each (``flat``: ids in call order, 0 = none)."""
+
+    flat: jax.Array      # i32[K]
+    now_free: jax.Array  # bool[K]: the call that drops the block's last reference
+    to_front: jax.Array  # bool[K]: ... and the block is uncached (front of the queue)
+    fits: jax.Array      # bool[]: the queue array has room without compaction
+
+
+def _plan_releases(pool: P.BlockPool, cache, flat: jax.Array, early: jax.Array) -> _Releases:
+    """Read-only: where the blocks of the free calls ``flat`` go (see ``_apply_releases``);
+    ``early: bool[K]`` marks calls whose blocks go to the front even when cached."""
+    N, K = pool.num_blocks, flat.shape[0]
+    valid = flat > 0
+    fb = jnp.where(valid, flat, 0)
+    # A block may be released by several calls (shared by requests): it is free after the last one.
+    # Runs of equal ids in a stable sort give each id's call count and last call (O(K), not O(N)).
+    order = jnp.argsort(flat, stable=True)
+    ids = flat[order]
+    lane = jnp.arange(K, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones(1, bool), ids[1:] != ids[:-1]]) if K else jnp.zeros(0, bool)
+    ends = jnp.concatenate([ids[1:] != ids[:-1], jnp.ones(1, bool)]) if K else jnp.zeros(0, bool)
+    run_start = jax.lax.cummax(jnp.where(starts, lane, 0))
+    run_end = jax.lax.cummin(jnp.where(ends, lane, K), reverse=True)
+    drops = jnp.zeros(K, jnp.int32).at[order].set(run_end - run_start + 1)
+    is_last = jnp.zeros(K, bool).at[order].set(ends)
+    now_free = valid & (pool.ref_count[fb] == drops) & is_last
+    to_front = now_free & ((cache.block_slot[fb] < 0) | early)
+    fits = pool.tail - pool.head + jnp.sum(now_free, dtype=jnp.int32) <= N
+    return _Releases(flat, now_free, to_front, fits)
+
+
+def _apply_releases(pool: P.BlockPool, rel: _Releases) -> P.BlockPool:
+    """Drop one reference per free call: blocks reaching 0 go to the front (uncached; later calls in
+    front of earlier ones) or the back (cached; in order), as one ``free_blocks`` per call would.
+    Needs ``rel.fits`` (no compaction)."""
+    N = pool.num_blocks
+    flat, now_free, to_front = rel.flat, rel.now_free, rel.to_front
+    to_back = now_free & ~to_front
+    n_front, n_back = jnp.sum(to_front, dtype=jnp.int32), jnp.sum(to_back, dtype=jnp.int32)
+    front_rank = jnp.cumsum(to_front[::-1], dtype=jnp.int32)[::-1] - 1
+    new_pos = jnp.where(to_front, pool.head - n_front + front_rank,
+                        pool.tail + jnp.cumsum(to_back, dtype=jnp.int32) - 1)
+    return replace(
+        pool,
+        ref_count=pool.ref_count.at[jnp.where(flat > 0, flat, N)].add(-1, mode="drop"),
+        queue=pool.queue.at[jnp.where(now_free, new_pos % N, N)].set(flat, mode="drop"),
+        pos=pool.pos.at[jnp.where(now_free, flat, N)].set(new_pos, mode="drop"),
+        head=pool.head - n_front, tail=pool.tail + n_back, num_free=pool.num_free + n_front + n_back)
+
+
 def decode_step(layout: Layout, state: AllocatorState, slots):
     """Every request in ``slots`` (distinct, running) allocates slots for one more token: one vectorised program.
 
-    Same state and results as ``schedule_batch(slots, 1)``, computed for all requests at once: the
-    out-of-window releases of every (request, group) in call order, one pop from the queue head for
-    all new blocks, then the cache inserts. That order equals vLLM's request-by-request order when
-    the new blocks come from blocks already free before the step and no released block goes to the
-    queue front; otherwise (a nearly full pool, uncached releases) it falls back to
-    ``schedule_batch``. Returns (state, ok ``bool[B]``, whether the vectorised path ran).
+    Same state and results as ``schedule_batch(slots, 1)``, computed for all requests at once with
+    updates proportional to the blocks that move, not to the pool or the tables: the out-of-window
+    releases of every (request, group) in call order, one pop from the queue head for all new
+    blocks, then the cache inserts. That order equals vLLM's request-by-request order when the new
+    blocks come from blocks already free before the step, no released block goes to the queue
+    front and each free call releases at most one block (the steady state). Otherwise (a nearly
+    full pool, uncached releases, the first step after a long prefill, a queue to compact, an
+    evicted key with duplicates) it falls back to ``schedule_batch``. Everything the fast path
+    decides is planned read-only first, so its branch updates the state in place.
+    Returns (state, ok ``bool[B]``, whether the vectorised path ran).
     """
-    bs, G, M, N = layout.block_size, layout.num_groups, layout.max_blocks, layout.num_blocks
+    bs, G, M = layout.block_size, layout.num_groups, layout.max_blocks
     B = slots.shape[0]
     C, T = state.num_computed[slots], state.num_tokens[slots]
     computed = jnp.minimum(C, layout.max_model_len)
     main = computed + 1
     need = jnp.minimum(main, layout.max_model_len)
-    rows, lens = state.tables[slots], state.table_len[slots]
+    rows, lens = state.tables[slots], state.table_len[slots]                  # [B, G, M], [B, G]
     retired, last_state = state.retired[slots], state.last_state[slots]
-    out = [jax.vmap(lambda r, l, rt, ls, c, g=g: _skip_row(layout, g, r, l, rt, ls, c))(
-        rows[:, g], lens[:, g], retired[:, g], last_state[:, g], computed) for g in range(G)]
-    rows = jnp.stack([o[0] for o in out], 1)
-    retired = jnp.stack([o[1] for o in out], 1)
-    released = jnp.stack([o[3] for o in out], 1).reshape(B * G * 2, M)  # free calls in vLLM's order
+    bidx = jnp.arange(B)
 
-    cnt = []
+    # Out-of-window releases (full attention releases nothing): the zeroed entries and freed ids.
+    zeroed, calls, retired_new, single = [], [], [], jnp.bool_(True)
+    for g in range(G):
+        if isinstance(layout.groups[g].spec, FullAttentionSpec):
+            retired_new.append(retired[:, g])
+            continue
+        r, rt, _, rel = jax.vmap(lambda r, l, rt, ls, c, g=g: _skip_row(layout, g, r, l, rt, ls, c))(
+            rows[:, g], lens[:, g], retired[:, g], last_state[:, g], computed)
+        retired_new.append(rt)
+        single &= jnp.all(jnp.sum(rel > 0, axis=-1) <= 1)
+        calls.append(jnp.max(rel, axis=-1))                                  # [B, 2]: one id per free call
+        changed = r != rows[:, g]                                            # at most 2 entries per row
+        for j in (jnp.argmax(changed, axis=-1), M - 1 - jnp.argmax(changed[:, ::-1], axis=-1)):
+            zeroed.append((g, j, jnp.any(changed, axis=-1)))
+    flat = jnp.stack(calls, 1).reshape(-1) if calls else jnp.zeros(0, jnp.int32)  # request, group, call order
+    early = jnp.array([layout.evicts_early(g) for g in range(G) if not isinstance(layout.groups[g].spec,
+                                                                                    FullAttentionSpec)], bool)
+    early = jnp.broadcast_to(early[None, :, None], (B, early.shape[0], 2)).reshape(-1)
+
+    def entry(g, j):
+        """Entry ``j`` of group ``g``'s row after the releases."""
+        v = rows[bidx, g, jnp.clip(j, 0, M - 1)]
+        for zg, zj, zok in zeroed:
+            if zg == g:
+                v = jnp.where(zok & (zj == j), 0, v)
+        return v
+
+    cnt, new_idx = [], []
     for g in range(G):
         if layout.is_mamba(g):
-            cnt.append((_cdiv(main, bs) > lens[:, g]).astype(jnp.int32))
+            required = _cdiv(main, bs)
+            cnt.append((required > lens[:, g]).astype(jnp.int32))
+            new_idx.append(required - 1)
         else:
             cnt.append(jnp.maximum(_cdiv(need, bs) - lens[:, g], 0))
-    cnt = jnp.stack(cnt, 1)  # [B, G], each 0 or 1
+            new_idx.append(lens[:, g])
+    cnt, new_idx = jnp.stack(cnt, 1), jnp.stack(new_idx, 1)                  # [B, G], each count 0 or 1
     total = jnp.sum(cnt)
 
     pool, cache = state.bp.pool, state.bp.cache
-    flat = released.reshape(-1)
-    valid = flat > 0
-    fb = jnp.where(valid, flat, 0)
-    ref = pool.ref_count.at[jnp.where(valid, flat, N)].add(-1, mode="drop")
-    posn = jnp.arange(flat.shape[0])
-    last_occ = jnp.full(N, -1, jnp.int32).at[jnp.where(valid, flat, N)].max(posn, mode="drop")
-    now_free = valid & (ref[fb] == 0) & (last_occ[fb] == posn)
-    cached = cache.block_slot[fb] >= 0
-    to_front, to_back = now_free & ~cached, now_free & cached
     nfull = jnp.minimum(jnp.minimum(C + 1, T), (T // bs) * bs) // bs
-    before = state.num_cached[slots]
+    before = state.num_cached[slots]                                         # [B, G]
+    releases = _plan_releases(pool, cache, flat, early)
+    # New blocks come from blocks free before the step (none released to the front when any is taken).
+    pop = P.pop_plan(pool, total, B * G)
     fast = (
-        jnp.all(state.status[slots] == RUNNING) & jnp.all(T - C >= 1)
-        & (total <= pool.num_free) & ((total == 0) | ~jnp.any(to_front))
-        & jnp.all(nfull[:, None] - before <= 1)
+        jnp.all(state.status[slots] == RUNNING) & jnp.all(T - C >= 1) & single & releases.fits
+        & (total <= pool.num_free) & ((total == 0) | ~jnp.any(releases.to_front)) & pop.enough
+        & ~jnp.any(BP.pc.needs_promotion(cache, pop.ids)) & jnp.all(nfull[:, None] - before <= 1)
     )
+    offset = (jnp.cumsum(cnt.reshape(-1)) - cnt.reshape(-1)).reshape(B, G)
+    new_block = jnp.where(cnt > 0, pop.ids[jnp.minimum(offset, B * G - 1)], 0)
+    # The blocks this token filled: at most one per (request, group), cached in request then group order.
+    blk = jnp.stack([jnp.where((cnt[:, g] > 0) & (new_idx[:, g] == before[:, g]), new_block[:, g],
+                               entry(g, before[:, g])) for g in range(G)], 1)
+    todo = (nfull[:, None] > before) & (blk > 0)
+    keys = state.hashes[slots[:, None], jnp.minimum(before, state.hashes.shape[1] - 1)]  # [B, G, 4]
+    groups = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32), (B, G))
+    mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
+    last_new = jnp.stack([jnp.where((cnt[:, g] > 0) & (lens[:, g] > 0), lens[:, g] - 1, last_state[:, g])
+                          if layout.is_mamba(g) else last_state[:, g] for g in range(G)], 1)
+    lens_new = jnp.stack([jnp.where(cnt[:, g] > 0, new_idx[:, g] + 1, lens[:, g]) if layout.is_mamba(g)
+                          else lens[:, g] + cnt[:, g] for g in range(G)], 1)
 
     def vectorised(state: AllocatorState):
-        n_front, n_back = jnp.sum(to_front, dtype=jnp.int32), jnp.sum(to_back, dtype=jnp.int32)
-        p = jax.lax.cond(pool.tail - pool.head + n_front + n_back > N, P.compact, lambda q: q,
-                         replace(pool, ref_count=ref))
-        # Front: later calls go in front of earlier ones, each call in its own order.
-        front_rank = (jnp.cumsum(to_front.reshape(-1, M)[::-1].reshape(-1), dtype=jnp.int32) - 1
-                      ).reshape(-1, M)[::-1].reshape(-1)
-        new_pos = jnp.where(to_front, p.head - n_front + front_rank, p.tail + jnp.cumsum(to_back, dtype=jnp.int32) - 1)
-        p = replace(p, queue=p.queue.at[jnp.where(now_free, new_pos % N, N)].set(flat, mode="drop"),
-                          pos=p.pos.at[jnp.where(now_free, flat, N)].set(new_pos, mode="drop"),
-                          head=p.head - n_front, tail=p.tail + n_back, num_free=p.num_free + n_front + n_back)
-        bp = BP.BlockPoolState(pool=p, cache=cache)
-        bp, ids = _pop(bp, total, B * G)
-        offset = (jnp.cumsum(cnt.reshape(-1)) - cnt.reshape(-1)).reshape(B, G)
-        new_block = jnp.where(cnt > 0, ids[offset], 0)
-        idx = jnp.arange(M)
-        new_rows, new_lens, new_last = [], [], []
-        for g in range(G):
-            r, L, nb = rows[:, g], lens[:, g], new_block[:, g]
-            if layout.is_mamba(g):
-                required = _cdiv(main, bs)
-                grow = cnt[:, g] > 0
-                r = jnp.where(grow[:, None] & (idx[None, :] == (required - 1)[:, None]), nb[:, None], r)
-                new_last.append(jnp.where(grow & (L > 0), L - 1, last_state[:, g]))
-                new_lens.append(jnp.where(grow, required, L))
-            else:
-                r = jnp.where((cnt[:, g] > 0)[:, None] & (idx[None, :] == L[:, None]), nb[:, None], r)
-                new_last.append(last_state[:, g])
-                new_lens.append(L + cnt[:, g])
-            new_rows.append(r)
-        rows3, lens3, last3 = jnp.stack(new_rows, 1), jnp.stack(new_lens, 1), jnp.stack(new_last, 1)
-        # Cache the blocks this token filled: at most one per (request, group), in request then group order.
-        pos_c = jnp.minimum(before, M - 1)
-        blk = jnp.take_along_axis(rows3, pos_c[:, :, None], axis=2)[:, :, 0]
-        todo = (nfull[:, None] > before) & (blk > 0)
-        keys = state.hashes[slots[:, None], jnp.minimum(pos_c, state.hashes.shape[1] - 1)]  # [B, G, 4]
-        order = jnp.nonzero(todo.reshape(-1), size=B * G, fill_value=0)[0]
-        mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
-
-        def insert(i, carry):
-            c, step_cached = carry
-            k = order[i]
-            b, g = k // G, k % G
-            c = BP.pc.insert(BP.pc.evict(c, blk[b, g]), blk[b, g], keys[b, g], g.astype(jnp.int32))
-            ks = c.block_slot[blk[b, g]]
-            step_cached = step_cached.at[jnp.where(mamba_g[g], ks, step_cached.shape[0])].set(True, mode="drop")
-            return c, step_cached
-
-        c, step_cached = jax.lax.fori_loop(0, jnp.sum(todo), insert, (bp.cache, state.step_cached))
+        p = P.pop_apply(_apply_releases(state.bp.pool, releases), pop)
+        c = BP.pc.evict_alone(state.bp.cache, pop.ids)
+        c = BP.pc.insert_many(c, jnp.where(todo, blk, 0).reshape(-1), keys.reshape(-1, 4), groups.reshape(-1))
+        marked = todo & mamba_g[None, :]
+        size = state.step_cached.shape[0]
+        step_cached = state.step_cached.at[
+            jnp.where(marked, c.block_slot[jnp.where(marked, blk, 0)], size)].set(True, mode="drop")
+        # Table entries: the released ones become null, the new block goes in.
+        tables = state.tables.at[slots[:, None], jnp.arange(G)[None, :],
+                                 jnp.where(cnt > 0, new_idx, M)].set(new_block, mode="drop")
+        for g, j, ok in zeroed:
+            tables = tables.at[slots, g, jnp.where(ok, j, M)].set(0, mode="drop")
         st = _replace(
             state,
-            bp=BP.BlockPoolState(pool=bp.pool, cache=c),
+            bp=BP.BlockPoolState(pool=p, cache=c),
             step_cached=step_cached,
-            tables=state.tables.at[slots].set(rows3),
-            table_len=state.table_len.at[slots].set(lens3),
-            retired=state.retired.at[slots].set(retired),
-            last_state=state.last_state.at[slots].set(last3),
+            tables=tables,
+            table_len=state.table_len.at[slots].set(lens_new),
+            retired=state.retired.at[slots].set(jnp.stack(retired_new, 1)),
+            last_state=state.last_state.at[slots].set(last_new),
             num_cached=state.num_cached.at[slots].set(jnp.maximum(before, nfull[:, None])),
             num_computed=state.num_computed.at[slots].set(C + 1),
         )
@@ -445,6 +604,24 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
         st, ok, _, _ = schedule_batch(layout, state, slots, jnp.ones(B, jnp.int32))
         return st, ok
 
-    state, ok = jax.lax.cond(fast, vectorised, sequential, state)
-    return state, ok, fast
+    return (*_cond_mutable(fast, vectorised, sequential, state), fast)
 
+
+# Fields a schedule never changes: kept out of ``lax.cond`` outputs, so XLA need not copy them.
+_READ_ONLY = ("tokens", "num_tokens", "salt", "hashes")
+
+
+def _cond_mutable(pred, true_fn, false_fn, state: AllocatorState):
+    """``lax.cond(pred, true_fn, false_fn, state)`` for functions returning ``(state, aux)`` whose
+    ``_READ_ONLY`` fields are unchanged; only the other fields pass through the conditional."""
+    fixed = {f: getattr(state, f) for f in _READ_ONLY}
+
+    def wrap(fn):
+        def run(mutable):
+            st, aux = fn(_replace(state, **mutable))
+            return {f: getattr(st, f) for f in mutable}, aux
+        return run
+
+    mutable = {f: getattr(state, f) for f in state.__dataclass_fields__ if f not in fixed}
+    out, aux = jax.lax.cond(pred, wrap(true_fn), wrap(false_fn), mutable)
+    return _replace(state, **out), aux

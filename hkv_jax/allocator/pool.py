@@ -20,6 +20,7 @@ the span ``tail - head`` would exceed the array, the queue is compacted once
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,45 @@ def compact(pool: BlockPool) -> BlockPool:
     return replace(pool, queue=queue, pos=pos, head=jnp.int32(0), tail=pool.num_free)
 
 
+class PopPlan(NamedTuple):
+    """Which queue entries a pop takes (``pop_plan``); applied by ``pop_apply``."""
+
+    ids: jax.Array      # i32[max_count]: block ids in queue order, 0 past the count
+    take: jax.Array     # bool[width]: window lanes taken
+    entries: jax.Array  # i32[width]: the window after the head
+    enough: jax.Array   # bool[]: the window held ``count`` blocks (else the queue needs compacting)
+
+
+def pop_plan(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOLE_SLACK) -> PopPlan:
+    """Read-only: the first ``count`` (<= ``max_count``, static) blocks of the queue, from a window of
+    ``max_count + slack`` entries after the head (holes skipped)."""
+    n = pool.num_blocks
+    width = min(max_count + slack, n)
+    abs_pos = pool.head + jnp.arange(width)
+    entries = jnp.where(abs_pos < pool.tail, pool.queue[abs_pos % n], 0)
+    rank = jnp.cumsum(entries > 0, dtype=jnp.int32)
+    take = (entries > 0) & (rank <= count)
+    # Slot of the k-th taken block is where rank first reaches k.
+    ids = jnp.zeros(max_count, jnp.int32).at[jnp.where(take, rank - 1, max_count)].set(entries, mode="drop")
+    return PopPlan(ids, take, entries, rank[-1] >= jnp.minimum(count, pool.num_free))
+
+
+def pop_apply(pool: BlockPool, plan: PopPlan) -> BlockPool:
+    """Take the blocks of ``plan`` (made on this pool) out of the queue, with ref count 1."""
+    n = pool.num_blocks
+    lanes = jnp.arange(plan.take.shape[0])
+    last = jnp.max(jnp.where(plan.take, lanes, -1))
+    tgt = jnp.where(plan.take, plan.entries, n)
+    return replace(
+        pool,
+        queue=pool.queue.at[jnp.where(plan.take, (pool.head + lanes) % n, n)].set(0, mode="drop"),
+        pos=pool.pos.at[tgt].set(-1, mode="drop"),
+        ref_count=pool.ref_count.at[tgt].set(1, mode="drop"),
+        head=pool.head + last + 1,
+        num_free=pool.num_free - jnp.sum(plan.take, dtype=jnp.int32),
+    )
+
+
 def pop_free(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOLE_SLACK) -> tuple[BlockPool, jax.Array]:
     """Take ``count`` (<= ``max_count``, static) blocks from the head of the queue.
 
@@ -90,32 +130,10 @@ def pop_free(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOL
     ``count``. The caller checks ``count <= num_free`` first (all-or-nothing
     allocation); the taken blocks get ref count 1.
     """
-    n = pool.num_blocks
-    width = min(max_count + slack, n)
-    lanes = jnp.arange(width)
-
-    def window(p: BlockPool):
-        abs_pos = p.head + lanes
-        entries = jnp.where(abs_pos < p.tail, p.queue[abs_pos % n], 0)
-        return entries, jnp.cumsum(entries > 0, dtype=jnp.int32)
-
-    entries, rank = window(pool)
-    pool = jax.lax.cond(rank[-1] < jnp.minimum(count, pool.num_free), compact, lambda p: p, pool)
-    entries, rank = window(pool)
-    take = (entries > 0) & (rank <= count)
-    # Slot of the k-th taken block is where rank first reaches k.
-    order = jnp.where(take, rank - 1, max_count)
-    ids = jnp.zeros(max_count, jnp.int32).at[order].set(entries, mode="drop")
-    last = jnp.max(jnp.where(take, lanes, -1))
-    tgt = jnp.where(take, entries, n)
-    return replace(
-        pool,
-        queue=pool.queue.at[jnp.where(take, (pool.head + lanes) % n, n)].set(0, mode="drop"),
-        pos=pool.pos.at[tgt].set(-1, mode="drop"),
-        ref_count=pool.ref_count.at[tgt].set(1, mode="drop"),
-        head=pool.head + last + 1,
-        num_free=pool.num_free - jnp.sum(take, dtype=jnp.int32),
-    ), ids
+    enough = pop_plan(pool, count, max_count, slack).enough
+    pool = jax.lax.cond(enough, lambda p: p, compact, pool)
+    plan = pop_plan(pool, count, max_count, slack)
+    return pop_apply(pool, plan), plan.ids
 
 
 def touch(pool: BlockPool, blocks: jax.Array) -> BlockPool:

@@ -159,41 +159,53 @@ def reset(cache: PrefixCache) -> PrefixCache:
 # --- batched updates (same results as the one-at-a-time functions, in the given order) --------
 
 
+def needs_promotion(cache: PrefixCache, blocks: jax.Array) -> jax.Array:
+    """``bool[K]``: which ids of ``blocks`` are cached under a key that also holds other blocks."""
+    b = jnp.maximum(blocks, 0)
+    s = cache.block_slot[b]
+    return (blocks > 0) & (s >= 0) & (cache.dups[jnp.maximum(s, 0)] > 0)
+
+
+def evict_alone(cache: PrefixCache, blocks: jax.Array) -> PrefixCache:
+    """``evict`` each id of ``blocks: i32[K]`` that is the only block under its key, in one update
+    (such keys are independent of every other block's). Other ids are left alone."""
+    n, size = cache.block_slot.shape[0], cache.group.shape[0]
+    b = jnp.maximum(blocks, 0)
+    s = cache.block_slot[b]
+    alone = (blocks > 0) & (s >= 0) & ~needs_promotion(cache, blocks)
+    return replace(
+        cache,
+        group=cache.group.at[jnp.where(alone, s, size)].set(TOMBSTONE, mode="drop"),
+        block_slot=cache.block_slot.at[jnp.where(alone, b, n)].set(-1, mode="drop"),
+    )
+
+
 def evict_many(cache: PrefixCache, blocks: jax.Array) -> PrefixCache:
     """``evict`` each id of ``blocks: i32[K]`` in order (0 entries are skipped; ids distinct).
 
-    Blocks that are the only one under their key are dropped in one vectorised
-    update (their keys are independent of every other block's); blocks whose
-    key has duplicates go through ``evict`` one by one, in order.
+    Blocks alone under their key go in one vectorised update; blocks whose key
+    has duplicates go through ``evict`` one by one, in order.
     """
-    n = cache.block_slot.shape[0]
-    valid = blocks > 0
-    b = jnp.where(valid, blocks, 0)
-    s = cache.block_slot[b]
-    has = valid & (s >= 0)
-    s0 = jnp.maximum(s, 0)
-    alone = has & (cache.dups[s0] == 0)
-    size = cache.group.shape[0]
-    cache = replace(
-        cache,
-        group=cache.group.at[jnp.where(alone, s0, size)].set(TOMBSTONE, mode="drop"),
-        block_slot=cache.block_slot.at[jnp.where(alone, b, n)].set(-1, mode="drop"),
-    )
-    rest = has & ~alone
+    rest = needs_promotion(cache, blocks)
+    cache = evict_alone(cache, blocks)
     order = jnp.nonzero(rest, size=blocks.shape[0], fill_value=0)[0]
     return jax.lax.fori_loop(0, jnp.sum(rest), lambda i, c: evict(c, blocks[order[i]]), cache)
 
 
-def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: jax.Array) -> PrefixCache:
+def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: jax.Array,
+                claims: str = "auto") -> PrefixCache:
     """``insert`` each non-null ``blocks[i]`` (not cached now; ids distinct) under (``keys[i]``, ``groups[i]``), in order.
 
     ``blocks: i32[K]``, ``keys: u32[K, 4]``, ``groups: i32[K]``. Keys already in
     the table gain a duplicate; the others claim slots in rounds: every pending
-    key looks at its probe slot, joins it if an earlier key of the batch put
-    the same key there, claims it if free (the earliest claimant wins; the
-    others look again next round) or moves on. Slots may differ from one-by-one
-    inserts, but every key stays reachable from its home slot, which block a
-    lookup returns (the oldest) and the duplicate counts are the same.
+    key looks at its probe slot, joins it if an earlier key of the batch
+    claimed it for the same key, claims it if free (the earliest claimant
+    wins; the others look again next round) or moves on. The rounds touch only
+    the batch's claims, so the table is written once, after them. Slots may differ
+    from one-by-one inserts, but every key stays reachable from its home slot,
+    and which block a lookup returns (the oldest) and the duplicate counts are
+    the same. ``claims`` (static): ``table`` keeps the claims in a table-sized
+    array, ``sorted`` in the batch's own sorted slots, ``auto`` picks by size.
     """
     K, size, n = blocks.shape[0], cache.group.shape[0], cache.block_slot.shape[0]
     mask = size - 1
@@ -203,37 +215,60 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
     idx = jnp.arange(K, dtype=jnp.int32)
     home = jax.vmap(lambda k, g: _home(cache, k, g))(keys, groups)
     big = jnp.iinfo(jnp.int32).max
+    # Claims of this batch: a claim array over the table when the batch is large, else the batch's own
+    # claimed slots, sorted each round (no table-sized array: cost independent of the pool).
+    if claims not in ("auto", "table", "sorted"):
+        raise ValueError(f"claims must be auto, table or sorted, got {claims!r}")
+    by_table = claims == "table" or (claims == "auto" and K * 8 >= size)
 
-    def cond(c):
-        return jnp.any(c[1])
+    def claims_at(claimed, probe):
+        """Owner (batch index) of each probe slot, ``big`` if unclaimed."""
+        if by_table:
+            return claimed[probe]
+        order = jnp.argsort(claimed)
+        srt = claimed[order]
+        at = jnp.minimum(jnp.searchsorted(srt, probe), K - 1)
+        return jnp.where(srt[at] == probe, order[at], big)
+
+    def contest(claimed, free, probe):
+        """The earliest free key at each probe slot wins it: (claimed, won)."""
+        if by_table:
+            claimed = claimed.at[jnp.where(free, probe, size)].min(idx, mode="drop")
+            return claimed, free & (claimed[probe] == idx)
+        keyed = jnp.where(free, probe, big)
+        order = jnp.argsort(keyed, stable=True)                        # equal slots: batch order
+        srt = keyed[order]
+        first = jnp.concatenate([jnp.ones(1, bool), srt[1:] != srt[:-1]]) & (srt < big)
+        won = jnp.zeros(K, bool).at[order].set(first)
+        return jnp.where(won, probe, claimed), won
 
     def body(c):
-        cache, pending, probe, slot_of = c
-        occupied = cache.group[probe] >= 0
-        same = occupied & (cache.group[probe] == groups) & jnp.all(cache.keys[probe] == keys, axis=-1)
+        claimed, pending, probe, slot_of = c
+        o = claims_at(claimed, probe)
+        is_claimed = o < big
+        oc = jnp.minimum(o, K - 1)
+        same = is_claimed & (groups[oc] == groups) & jnp.all(keys[oc] == keys, axis=-1)
         joined = pending & same
-        free = pending & ~occupied
-        claim = jnp.full(size, big, jnp.int32).at[jnp.where(free, probe, size)].min(idx, mode="drop")
-        won = free & (claim[probe] == idx)
-        tgt = jnp.where(won, probe, size)
-        cache = replace(
-            cache,
-            keys=cache.keys.at[tgt].set(keys, mode="drop"),
-            group=cache.group.at[tgt].set(groups, mode="drop"),
-            block=cache.block.at[tgt].set(blocks, mode="drop"),
-            dups=cache.dups.at[tgt].set(0, mode="drop"),
-        )
+        taken = cache.group[probe] >= 0
+        free = pending & ~taken & ~is_claimed
+        claimed, won = contest(claimed, free, probe)
         slot_of = jnp.where(won | joined, probe, slot_of)
-        moved = pending & occupied & ~same
-        return cache, pending & ~(won | joined), jnp.where(moved, (probe + 1) & mask, probe), slot_of
+        moved = pending & (taken | (is_claimed & ~same))
+        return claimed, pending & ~(won | joined), jnp.where(moved, (probe + 1) & mask, probe), slot_of
 
-    new = do & (found < 0)
-    cache, _, _, slot_of = jax.lax.while_loop(cond, body, (cache, new, home, found))
-    # Every block that did not open its key is a duplicate of it.
-    dup = do & (cache.block[jnp.maximum(slot_of, 0)] != blocks)
+    init = jnp.full(size if by_table else K, big, jnp.int32)
+    claimed, _, _, slot_of = jax.lax.while_loop(
+        lambda c: jnp.any(c[1]), body, (init, do & (found < 0), home, found))
+    owner = claims_at(claimed, jnp.maximum(slot_of, 0))
+    opened = do & (found < 0) & (owner == idx)                        # first block under a new key
+    tgt = jnp.where(opened, slot_of, size)
+    dup = do & ~opened                                                   # every other block joins a key
     return replace(
         cache,
-        dups=cache.dups.at[jnp.where(dup, slot_of, size)].add(1, mode="drop"),
+        keys=cache.keys.at[tgt].set(keys, mode="drop"),
+        group=cache.group.at[tgt].set(groups, mode="drop"),
+        block=cache.block.at[tgt].set(blocks, mode="drop"),
+        dups=cache.dups.at[tgt].set(0, mode="drop").at[jnp.where(dup, slot_of, size)].add(1, mode="drop"),
         block_slot=cache.block_slot.at[jnp.where(do, blocks, n)].set(slot_of, mode="drop"),
         cached_at=cache.cached_at.at[jnp.where(do, blocks, n)].set(cache.clock + rank, mode="drop"),
         clock=cache.clock + jnp.sum(do, dtype=jnp.int32),

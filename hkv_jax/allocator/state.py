@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from hkv_jax.allocator import block_pool as BP
 from hkv_jax.planner import KVCacheConfig, cdiv
-from hkv_jax.spec import FullAttentionSpec, MambaSpec
+from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 # Request slot status.
 EMPTY, WAITING, RUNNING = 0, 1, 2
@@ -32,9 +32,13 @@ class Layout:
     max_blocks: int  # table entries per request and group
     spec_groups: tuple[tuple[int, ...], ...]  # groups looked up together; full attention first
     simple_hybrid: bool  # exactly two spec groups, the first full attention: one coordinator pass
+    # Our policy, off in vLLM mode: blocks a sliding-window / chunked-local group releases as they
+    # leave the window go to the front of the free queue (evicted first), not the back.
+    window_aware_eviction: bool = False
 
     @staticmethod
-    def from_config(cfg: KVCacheConfig, max_model_len: int, max_requests: int) -> "Layout":
+    def from_config(cfg: KVCacheConfig, max_model_len: int, max_requests: int,
+                    window_aware_eviction: bool = False) -> "Layout":
         """The layout of ``cfg``; raises ``ValueError`` for what the jitted allocator does not support yet."""
         sizes = {g.block_size for g in cfg.groups}
         if len(sizes) != 1:
@@ -62,6 +66,7 @@ class Layout:
             max_blocks=cdiv(max_model_len, bs) + 1,
             spec_groups=tuple(tuple(sg) for sg in spec_groups),
             simple_hybrid=len(spec_groups) == 2 and isinstance(cfg.groups[spec_groups[0][0]].spec, FullAttentionSpec),
+            window_aware_eviction=window_aware_eviction,
         )
 
     @property
@@ -72,6 +77,10 @@ class Layout:
     def is_mamba(self, g: int) -> bool:
         """Whether group ``g`` holds Mamba states."""
         return isinstance(self.groups[g].spec, MambaSpec)
+
+    def evicts_early(self, g: int) -> bool:
+        """Whether blocks leaving group ``g``'s window go to the queue front (window-aware eviction)."""
+        return self.window_aware_eviction and isinstance(self.groups[g].spec, (SlidingWindowSpec, ChunkedLocalSpec))
 
 
 @jax.tree_util.register_dataclass

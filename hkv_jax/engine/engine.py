@@ -92,11 +92,13 @@ class Engine:
 
     def __init__(self, model: TinyLM, *, num_blocks: int, block_size: int = 16, max_requests: int = 8,
                  max_model_len: int = 256, token_budget: int = 64, policy: str = "vllm",
-                 impl: str = "auto", seed: int = 0, prefix_caching: bool = True):
+                 impl: str = "auto", seed: int = 0, prefix_caching: bool = True,
+                 window_aware_eviction: bool = False):
         if token_budget < 1 or max_requests < 1:
             raise ValueError("token_budget and max_requests must be positive")
         self.config = plan_cache(model.cfg.layers, block_size=block_size, policy=policy, num_blocks=num_blocks)
-        self.layout = Layout.from_config(self.config, max_model_len=max_model_len, max_requests=max_requests)
+        self.layout = Layout.from_config(self.config, max_model_len=max_model_len, max_requests=max_requests,
+                                         window_aware_eviction=window_aware_eviction)
         graphdef, params = nnx.split(model)
         self.params = params
         self.vocab_size = model.cfg.vocab_size
