@@ -7,7 +7,7 @@ front. These are the only operations the per-type managers need from the pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -40,16 +40,23 @@ def get_new_blocks(state: BlockPoolState, count: jax.Array, max_count: int) -> t
 def free_blocks(state: BlockPoolState, blocks: jax.Array, front: bool = False) -> BlockPoolState:
     """Drop one reference from each non-null id in ``blocks`` (eviction priority order).
 
-    ``front`` (static): every freed block goes to the front of the queue, cached or not
-    (it keeps its cache entry until it is popped): window-aware eviction.
+    ``front`` (static): freed blocks go to the front of the queue even when cached (they keep
+    their cache entry until popped), except blocks that served a prefix hit: window-aware eviction.
     """
-    cached = (state.cache.block_slot[jnp.maximum(blocks, 0)] >= 0) & (not front)
+    b = jnp.maximum(blocks, 0)
+    cached = (state.cache.block_slot[b] >= 0) & ~(front & ~state.cache.hit[b])
     return BlockPoolState(pool=P.free_ordered(state.pool, blocks, cached), cache=state.cache)
 
 
 def touch(state: BlockPoolState, blocks: jax.Array) -> BlockPoolState:
     """A prefix hit: one more reference to each non-null id; free ones leave the queue."""
-    return BlockPoolState(pool=P.touch(state.pool, blocks), cache=state.cache)
+    return BlockPoolState(pool=P.touch(state.pool, blocks), cache=mark_hit(state.cache, blocks))
+
+
+def mark_hit(cache: pc.PrefixCache, blocks: jax.Array) -> pc.PrefixCache:
+    """Remember that the non-null ids in ``blocks`` served a prefix hit."""
+    n = cache.hit.shape[0]
+    return replace(cache, hit=cache.hit.at[jnp.where(blocks > 0, blocks, n)].set(True, mode="drop"))
 
 
 def cache_blocks(state: BlockPoolState, blocks: jax.Array, hashes: jax.Array, group: jax.Array,

@@ -400,7 +400,7 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens):
         p = P.pop_apply(state.bp.pool, pop)
         p = replace(p, ref_count=p.ref_count.at[jnp.where(touched > 0, touched, layout.num_blocks)].add(
             1, mode="drop"))
-        c = BP.pc.evict_alone(state.bp.cache, pop.ids)
+        c = BP.pc.evict_alone(BP.mark_hit(state.bp.cache, touched), pop.ids)
         c = BP.pc.insert_many(c, jnp.where(new_cached, rows, 0).reshape(-1), keys.reshape(-1, 4), groups.reshape(-1))
         marked = new_cached & mamba_g[None, :, None]
         size = state.step_cached.shape[0]
@@ -462,7 +462,7 @@ def _plan_releases(pool: P.BlockPool, cache, flat: jax.Array, early: jax.Array) 
     drops = jnp.zeros(K, jnp.int32).at[order].set(run_end - run_start + 1)
     is_last = jnp.zeros(K, bool).at[order].set(ends)
     now_free = valid & (pool.ref_count[fb] == drops) & is_last
-    to_front = now_free & ((cache.block_slot[fb] < 0) | early)
+    to_front = now_free & ((cache.block_slot[fb] < 0) | (early & ~cache.hit[fb]))
     fits = pool.tail - pool.head + jnp.sum(now_free, dtype=jnp.int32) <= N
     return _Releases(flat, now_free, to_front, fits)
 

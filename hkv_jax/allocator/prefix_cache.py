@@ -31,6 +31,8 @@ class PrefixCache:
       dups: ``i32[num_slots]`` how many more blocks are cached under the key.
       block_slot: ``i32[num_blocks]`` slot of the key a block is cached under; -1 when not cached.
       cached_at: ``i32[num_blocks]`` insertion clock of each cached block (oldest first).
+      hit: ``bool[num_blocks]`` the block served a prefix hit since it was cached (a shared prefix:
+        window-aware eviction keeps it at the back of the free queue).
       clock: ``i32[]`` next insertion time.
     """
 
@@ -40,6 +42,7 @@ class PrefixCache:
     dups: jax.Array
     block_slot: jax.Array
     cached_at: jax.Array
+    hit: jax.Array
     clock: jax.Array
 
 
@@ -56,6 +59,7 @@ def init_prefix_cache(num_blocks: int, num_slots: int | None = None) -> PrefixCa
         dups=jnp.zeros(num_slots, jnp.int32),
         block_slot=jnp.full(num_blocks, -1, jnp.int32),
         cached_at=jnp.zeros(num_blocks, jnp.int32),
+        hit=jnp.zeros(num_blocks, bool),
         clock=jnp.int32(0),
     )
 
@@ -117,6 +121,7 @@ def insert(cache: PrefixCache, block: jax.Array, key: jax.Array, group: jax.Arra
         dups=_set(cache.dups, s, jnp.where(new_key, 0, cache.dups[s] + 1), do),
         block_slot=_set(cache.block_slot, b, s, do),
         cached_at=_set(cache.cached_at, b, cache.clock, do),
+        hit=_set(cache.hit, b, False, do),
         clock=cache.clock + do.astype(jnp.int32),
     )
 
@@ -271,5 +276,6 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
         dups=cache.dups.at[tgt].set(0, mode="drop").at[jnp.where(dup, slot_of, size)].add(1, mode="drop"),
         block_slot=cache.block_slot.at[jnp.where(do, blocks, n)].set(slot_of, mode="drop"),
         cached_at=cache.cached_at.at[jnp.where(do, blocks, n)].set(cache.clock + rank, mode="drop"),
+        hit=cache.hit.at[jnp.where(do, blocks, n)].set(False, mode="drop"),
         clock=cache.clock + jnp.sum(do, dtype=jnp.int32),
     )
