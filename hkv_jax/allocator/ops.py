@@ -509,9 +509,10 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
     rows, lens = state.tables[slots], state.table_len[slots]                  # [B, G, M], [B, G]
     retired, last_state = state.retired[slots], state.last_state[slots]
     bidx = jnp.arange(B)
+    idx_m = jnp.arange(M)
 
     # Out-of-window releases (full attention releases nothing): the zeroed entries and freed ids.
-    zeroed, calls, retired_new, single = [], [], [], jnp.bool_(True)
+    zeroed, calls, wide, after, retired_new, single = [], [], [], {}, [], jnp.bool_(True)
     for g in range(G):
         if isinstance(layout.groups[g].spec, FullAttentionSpec):
             retired_new.append(retired[:, g])
@@ -519,23 +520,20 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
         r, rt, _, rel = jax.vmap(lambda r, l, rt, ls, c, g=g: _skip_row(layout, g, r, l, rt, ls, c))(
             rows[:, g], lens[:, g], retired[:, g], last_state[:, g], computed)
         retired_new.append(rt)
+        after[g] = r
+        wide.append(rel)                                                     # [B, 2, M]: free calls in order
         single &= jnp.all(jnp.sum(rel > 0, axis=-1) <= 1)
         calls.append(jnp.max(rel, axis=-1))                                  # [B, 2]: one id per free call
-        changed = r != rows[:, g]                                            # at most 2 entries per row
+        changed = r != rows[:, g]                                            # at most 2 entries per row if single
         for j in (jnp.argmax(changed, axis=-1), M - 1 - jnp.argmax(changed[:, ::-1], axis=-1)):
             zeroed.append((g, j, jnp.any(changed, axis=-1)))
     flat = jnp.stack(calls, 1).reshape(-1) if calls else jnp.zeros(0, jnp.int32)  # request, group, call order
-    early = jnp.array([layout.evicts_early(g) for g in range(G) if not isinstance(layout.groups[g].spec,
-                                                                                    FullAttentionSpec)], bool)
-    early = jnp.broadcast_to(early[None, :, None], (B, early.shape[0], 2)).reshape(-1)
+    early_g = jnp.array([layout.evicts_early(g) for g in after], bool)
+    early = jnp.broadcast_to(early_g[None, :, None], (B, len(after), 2)).reshape(-1)
 
     def entry(g, j):
         """Entry ``j`` of group ``g``'s row after the releases."""
-        v = rows[bidx, g, jnp.clip(j, 0, M - 1)]
-        for zg, zj, zok in zeroed:
-            if zg == g:
-                v = jnp.where(zok & (zj == j), 0, v)
-        return v
+        return (after[g] if g in after else rows[:, g])[bidx, jnp.clip(j, 0, M - 1)]
 
     cnt, new_idx = [], []
     for g in range(G):
@@ -555,11 +553,12 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
     releases = _plan_releases(pool, cache, flat, early)
     # New blocks come from blocks free before the step (none released to the front when any is taken).
     pop = P.pop_plan(pool, total, B * G)
-    fast = (
-        jnp.all(state.status[slots] == RUNNING) & jnp.all(T - C >= 1) & single & releases.fits
-        & (total <= pool.num_free) & ((total == 0) | ~jnp.any(releases.to_front)) & pop.enough
+    vectorisable = (
+        jnp.all(state.status[slots] == RUNNING) & jnp.all(T - C >= 1)
+        & (total <= pool.num_free) & pop.enough
         & ~jnp.any(BP.pc.needs_promotion(cache, pop.ids)) & jnp.all(nfull[:, None] - before <= 1)
     )
+    fast = vectorisable & single & releases.fits & ((total == 0) | ~jnp.any(releases.to_front))
     offset = (jnp.cumsum(cnt.reshape(-1)) - cnt.reshape(-1)).reshape(B, G)
     new_block = jnp.where(cnt > 0, pop.ids[jnp.minimum(offset, B * G - 1)], 0)
     # The blocks this token filled: at most one per (request, group), cached in request then group order.
@@ -574,7 +573,7 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
     lens_new = jnp.stack([jnp.where(cnt[:, g] > 0, new_idx[:, g] + 1, lens[:, g]) if layout.is_mamba(g)
                           else lens[:, g] + cnt[:, g] for g in range(G)], 1)
 
-    def vectorised(state: AllocatorState):
+    def vectorised(state: AllocatorState, releases: _Releases, many: bool):
         p = P.pop_apply(_apply_releases(state.bp.pool, releases), pop)
         c = BP.pc.evict_alone(state.bp.cache, pop.ids)
         c = BP.pc.insert_many(c, jnp.where(todo, blk, 0).reshape(-1), keys.reshape(-1, 4), groups.reshape(-1))
@@ -585,8 +584,13 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
         # Table entries: the released ones become null, the new block goes in.
         tables = state.tables.at[slots[:, None], jnp.arange(G)[None, :],
                                  jnp.where(cnt > 0, new_idx, M)].set(new_block, mode="drop")
-        for g, j, ok in zeroed:
-            tables = tables.at[slots, g, jnp.where(ok, j, M)].set(0, mode="drop")
+        if many:  # released entries anywhere in the rows: write the release groups' rows whole
+            for g, r in after.items():
+                keep = (idx_m[None, :] == jnp.where(cnt[:, g] > 0, new_idx[:, g], M)[:, None])
+                tables = tables.at[slots, g].set(jnp.where(keep, tables[slots, g], r))
+        else:
+            for g, j, ok in zeroed:
+                tables = tables.at[slots, g, jnp.where(ok, j, M)].set(0, mode="drop")
         st = _replace(
             state,
             bp=BP.BlockPoolState(pool=p, cache=c),
@@ -604,24 +608,47 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
         st, ok, _, _ = schedule_batch(layout, state, slots, jnp.ones(B, jnp.int32))
         return st, ok
 
-    return (*_cond_mutable(fast, vectorised, sequential, state), fast)
+    if not wide:
+        return (*_cond_mutable(fast, lambda s: vectorised(s, releases, False), sequential, state), fast)
+    # Free calls releasing several blocks (the first step after a long prefill): still vectorised when
+    # every released block goes to the back of the queue (checked conservatively, without sorting).
+    wide_flat = jnp.stack(wide, 1).reshape(-1)                               # request, group, call, entry
+    wide_early = jnp.repeat(early, M)
+
+    def many_check():
+        wb = jnp.maximum(wide_flat, 0)
+        to_back = (wide_flat == 0) | ((cache.block_slot[wb] >= 0) & ~(wide_early & ~cache.hit[wb]))
+        return jnp.all(to_back) & (pool.tail - pool.head + jnp.sum(wide_flat > 0) <= pool.num_blocks)
+
+    # Only computed in such a step (a scalar out of the conditional: nothing is copied).
+    many_ok = jax.lax.cond(vectorisable & ~single, many_check, lambda: jnp.bool_(False))
+
+    def many_releases(state: AllocatorState):
+        return vectorised(state, _plan_releases(state.bp.pool, state.bp.cache, wide_flat, wide_early), True)
+
+    branch = jnp.where(fast, 0, jnp.where(vectorisable & ~single & many_ok, 1, 2))
+    st, ok = _switch_mutable(branch, [lambda s: vectorised(s, releases, False), many_releases, sequential], state)
+    return st, ok, branch < 2
 
 
 # Fields a schedule never changes: kept out of ``lax.cond`` outputs, so XLA need not copy them.
 _READ_ONLY = ("tokens", "num_tokens", "salt", "hashes")
 
 
-def _cond_mutable(pred, true_fn, false_fn, state: AllocatorState):
-    """``lax.cond(pred, true_fn, false_fn, state)`` for functions returning ``(state, aux)`` whose
+def _switch_mutable(index, fns, state: AllocatorState):
+    """``lax.switch(index, fns, state)`` for functions returning ``(state, aux)`` whose
     ``_READ_ONLY`` fields are unchanged; only the other fields pass through the conditional."""
-    fixed = {f: getattr(state, f) for f in _READ_ONLY}
-
     def wrap(fn):
         def run(mutable):
             st, aux = fn(_replace(state, **mutable))
             return {f: getattr(st, f) for f in mutable}, aux
         return run
 
-    mutable = {f: getattr(state, f) for f in state.__dataclass_fields__ if f not in fixed}
-    out, aux = jax.lax.cond(pred, wrap(true_fn), wrap(false_fn), mutable)
+    mutable = {f: getattr(state, f) for f in state.__dataclass_fields__ if f not in _READ_ONLY}
+    out, aux = jax.lax.switch(index, [wrap(f) for f in fns], mutable)
     return _replace(state, **out), aux
+
+
+def _cond_mutable(pred, true_fn, false_fn, state: AllocatorState):
+    """``lax.cond`` form of ``_switch_mutable``."""
+    return _switch_mutable(jnp.where(pred, 0, 1), [true_fn, false_fn], state)
