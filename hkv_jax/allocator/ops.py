@@ -117,6 +117,19 @@ def _remove_skipped(layout: Layout, state: AllocatorState, slot, g: int, compute
     return _set_row(_replace(state, bp=bp), slot, g, row, retired=retired)
 
 
+def _token_counts(layout: Layout, C, T, h, num_tokens):
+    """Token arithmetic of a schedule (scalars or per request): ``C`` computed, ``T`` known, ``h`` hit
+    tokens, ``num_tokens`` wanted (-1: all). Returns (new tokens ``n``, computed after the hit, tokens
+    after the call, tokens to hold, full blocks after the call)."""
+    remaining = T - C - h
+    n = jnp.where(num_tokens < 0, remaining, jnp.minimum(num_tokens, remaining))
+    computed = jnp.minimum(C + h, layout.max_model_len)
+    main = computed + n
+    bs = layout.block_size
+    nfull = jnp.minimum(jnp.minimum(main, T), (T // bs) * bs) // bs
+    return n, computed, main, jnp.minimum(main, layout.max_model_len), nfull
+
+
 class ScheduleResult(NamedTuple):
     """What ``schedule`` reports (all arrays)."""
 
@@ -137,11 +150,7 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
     hit_blocks, h, boundary = jax.lax.cond(waiting, lambda: lookup(layout, state, slot), lambda: no_hit)
     hits = jnp.pad(hit_blocks, ((0, 0), (0, M - H)))  # i32[G, M]
     C, T = state.num_computed[slot], state.num_tokens[slot]
-    remaining = T - C - h
-    n = jnp.where(num_tokens < 0, remaining, jnp.minimum(num_tokens, remaining))
-    computed = jnp.minimum(C + h, layout.max_model_len)
-    main = computed + n
-    need = jnp.minimum(main, layout.max_model_len)
+    n, computed, main, need, nfull = _token_counts(layout, C, T, h, num_tokens)
     nhit = h // bs
     idx = jnp.arange(M)
 
@@ -194,7 +203,6 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
                 row = row.at[jnp.where(idx < cnt, L + idx, M)].set(ids, mode="drop")
                 st = _set_row(_replace(st, bp=bp), slot, g, row, L + cnt)
         # Enter every newly filled block in the prefix cache (dense retention).
-        nfull = jnp.minimum(jnp.minimum(computed + n, T), (T // bs) * bs) // bs
         hashes = jnp.pad(st.hashes[slot], ((0, M - H), (0, 0)))
         for g in range(G):
             row, before = st.tables[slot, g], st.num_cached[slot, g]
@@ -340,14 +348,9 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens):
     hit_blocks, h, _ = jax.vmap(lambda s: lookup(layout, state, s))(slots)  # [B, G, H], [B]
     hits = jnp.pad(hit_blocks, ((0, 0), (0, 0), (0, M - H)))               # [B, G, M]
     C, T = state.num_computed[slots], state.num_tokens[slots]
-    remaining = T - C - h
-    n = jnp.where(num_tokens < 0, remaining, jnp.minimum(num_tokens, remaining))
-    computed = jnp.minimum(C + h, layout.max_model_len)
-    main = computed + n
-    need = jnp.minimum(main, layout.max_model_len)
+    n, computed, main, need, nfull = _token_counts(layout, C, T, h, num_tokens)
     nhit = h // bs
     idx = jnp.arange(M)
-    nfull = jnp.minimum(jnp.minimum(computed + n, T), (T // bs) * bs) // bs
 
     rows, cnt, first, lens, last = [], [], [], [], []
     for g in range(G):
