@@ -15,8 +15,8 @@ MODELS = HYBRID_MODELS
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("num_blocks", [40, 200])
-def test_decode_step_equals_sequential_schedules(model, num_blocks):
+@pytest.mark.parametrize("num_blocks,aligned", [(40, False), (200, False), (200, True)])
+def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned):
     cfg = plan(MODELS[model], block_size=BS, policy="vllm", num_blocks=num_blocks)
     layout = Layout.from_config(cfg, max_model_len=T, max_requests=B)
     rng = np.random.default_rng(num_blocks)
@@ -25,7 +25,8 @@ def test_decode_step_equals_sequential_schedules(model, num_blocks):
     toks[1] = toks[0]
     slots = jnp.arange(B, dtype=jnp.int32)
     st = jax.jit(ops.add_batch, static_argnums=0)(layout, init_state(layout), slots, jnp.asarray(toks),
-                                                  jnp.asarray(rng.integers(5, 30, B), jnp.int32), jnp.zeros(B, jnp.uint32))
+                                                  jnp.asarray(np.full(B, 13) if aligned else rng.integers(5, 30, B), jnp.int32),
+                                                  jnp.zeros(B, jnp.uint32))
     sched = jax.jit(ops.schedule_batch, static_argnums=0)
     st, ok, _, _ = sched(layout, st, slots, jnp.full(B, -1, jnp.int32))
     running = np.flatnonzero(np.asarray(ok))
@@ -33,15 +34,18 @@ def test_decode_step_equals_sequential_schedules(model, num_blocks):
     run = jnp.asarray(running, jnp.int32)
     append = jax.jit(ops.append_batch, static_argnums=0)
     decode = jax.jit(ops.decode_step, static_argnums=0)
-    used_fast = 0
+    paths = set()
     for _ in range(12):
         st = append(layout, st, run, jnp.asarray(rng.integers(1, 4, len(running)), jnp.int32))
-        a, ok_a, fast = decode(layout, st, run)
-        used_fast += int(fast)
+        a, ok_a, path = decode(layout, st, run)
+        paths.add(int(path))
         b, ok_b, _, _ = sched(layout, st, run, jnp.ones(len(running), jnp.int32))
         assert np.asarray(ok_a).tolist() == np.asarray(ok_b).tolist()
         assert semantic(a, layout) == semantic(b, layout)
         st = b
         if not np.asarray(ok_b).all():
             break
-    assert used_fast > 0  # the vectorised path was checked, not only the fallback
+    # The vectorised paths were checked, not only the fallback: requests in step count tokens only
+    # in most steps; a window group's first decode step releases several blocks per call.
+    assert 1 in paths and (0 in paths or not aligned)
+    assert 2 in paths or model == "mamba" or num_blocks == 40

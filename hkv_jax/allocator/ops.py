@@ -489,19 +489,33 @@ def _apply_releases(pool: P.BlockPool, rel: _Releases) -> P.BlockPool:
         head=pool.head - n_front, tail=pool.tail + n_back, num_free=pool.num_free + n_front + n_back)
 
 
+class _DecodePlan(NamedTuple):
+    """What a busy decode step does (``decode_step``), planned read-only."""
+
+    branch: jax.Array     # i32[]: 1 vectorised, 2 vectorised with many releases, 3 sequential
+    releases: _Releases   # the free calls of the vectorised branch (one block each)
+    pop: P.PopPlan        # the new blocks
+    new_block: jax.Array  # i32[B, G]: the new block of each (request, group), 0 = none
+    blk: jax.Array        # i32[B, G]: the block this token filled
+    todo: jax.Array       # bool[B, G]: ... and it enters the prefix cache
+    keys: jax.Array       # u32[B, G, 4]: its block hash
+
+
 def decode_step(layout: Layout, state: AllocatorState, slots):
     """Every request in ``slots`` (distinct, running) allocates slots for one more token: one vectorised program.
 
     Same state and results as ``schedule_batch(slots, 1)``, computed for all requests at once with
-    updates proportional to the blocks that move, not to the pool or the tables: the out-of-window
-    releases of every (request, group) in call order, one pop from the queue head for all new
-    blocks, then the cache inserts. That order equals vLLM's request-by-request order when the new
-    blocks come from blocks already free before the step, no released block goes to the queue
-    front and each free call releases at most one block (the steady state). Otherwise (a nearly
-    full pool, uncached releases, the first step after a long prefill, a queue to compact, an
-    evicted key with duplicates) it falls back to ``schedule_batch``. Everything the fast path
-    decides is planned read-only first, so its branch updates the state in place.
-    Returns (state, ok ``bool[B]``, whether the vectorised path ran).
+    updates proportional to the blocks that move, not to the pool or the tables. A step where no
+    block moves (no request needs a block, fills one or releases one: most steps) only counts the
+    token. Otherwise: the out-of-window releases of every (request, group) in call order, one pop
+    from the queue head for all new blocks, then the cache inserts. That order equals vLLM's
+    request-by-request order when the new blocks come from blocks already free before the step and
+    no released block goes to the queue front (the steady state). Otherwise (a nearly full pool,
+    uncached releases, a queue to compact, an evicted key with duplicates) it falls back to
+    ``schedule_batch``. Everything a branch does is planned read-only first (and only in a busy
+    step), so the branch updates the state in place.
+    Returns (state, ok ``bool[B]``, the path taken ``i32[]``: 0 = only counted the token, 1 = vectorised,
+    2 = vectorised with free calls releasing several blocks, 3 = sequential fallback).
     """
     bs, G, M = layout.block_size, layout.num_groups, layout.max_blocks
     B = slots.shape[0]
@@ -509,34 +523,49 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
     computed = jnp.minimum(C, layout.max_model_len)
     main = computed + 1
     need = jnp.minimum(main, layout.max_model_len)
-    rows, lens = state.tables[slots], state.table_len[slots]                  # [B, G, M], [B, G]
+    lens = state.table_len[slots]                                            # [B, G]
     retired, last_state = state.retired[slots], state.last_state[slots]
     bidx = jnp.arange(B)
     idx_m = jnp.arange(M)
 
-    # Out-of-window releases (full attention releases nothing): the zeroed entries and freed ids.
-    zeroed, calls, wide, after, retired_new, single = [], [], [], {}, [], jnp.bool_(True)
-    for g in range(G):
-        if isinstance(layout.groups[g].spec, FullAttentionSpec):
-            retired_new.append(retired[:, g])
-            continue
-        r, rt, _, rel = jax.vmap(lambda r, l, rt, ls, c, g=g: _skip_row(layout, g, r, l, rt, ls, c))(
-            rows[:, g], lens[:, g], retired[:, g], last_state[:, g], computed)
-        retired_new.append(rt)
-        after[g] = r
-        wide.append(rel)                                                     # [B, 2, M]: free calls in order
-        single &= jnp.all(jnp.sum(rel > 0, axis=-1) <= 1)
-        calls.append(jnp.max(rel, axis=-1))                                  # [B, 2]: one id per free call
-        changed = r != rows[:, g]                                            # at most 2 entries per row if single
-        for j in (jnp.argmax(changed, axis=-1), M - 1 - jnp.argmax(changed[:, ::-1], axis=-1)):
-            zeroed.append((g, j, jnp.any(changed, axis=-1)))
-    flat = jnp.stack(calls, 1).reshape(-1) if calls else jnp.zeros(0, jnp.int32)  # request, group, call order
-    early_g = jnp.array([layout.evicts_early(g) for g in after], bool)
-    early = jnp.broadcast_to(early_g[None, :, None], (B, len(after), 2)).reshape(-1)
+    # Out-of-window releases (full attention releases nothing): the zeroed entries and the free calls.
+    # A window group's null entries form a prefix of its row, so after the step every entry below its
+    # first needed block ``sb`` is null: one release per call iff entry ``sb - 2`` is already null.
+    # That is O(B) per group; the wide form (several blocks per call) is only built when needed.
+    zeroed, calls, after, cleared, retired_new, single = [], [], {}, {}, [], jnp.bool_(True)
+    release_groups = [g for g in range(G) if not isinstance(layout.groups[g].spec, FullAttentionSpec)]
 
-    def entry(g, j):
-        """Entry ``j`` of group ``g``'s row after the releases."""
-        return (after[g] if g in after else rows[:, g])[bidx, jnp.clip(j, 0, M - 1)]
+    def wide_releases(tables, g):
+        """Group ``g``'s rows after the step, retired indices and free calls ``i32[B, 2, M]`` (in order)."""
+        return jax.vmap(lambda r, l, rt, ls, c: _skip_row(layout, g, r, l, rt, ls, c))(
+            tables[slots, g], lens[:, g], retired[:, g], last_state[:, g], computed)
+
+    for g in range(G):
+        if g not in release_groups:
+            retired_new.append(retired[:, g])
+        elif layout.is_mamba(g):
+            r, rt, _, rel = wide_releases(state.tables, g)
+            retired_new.append(rt)
+            after[g] = r
+            single &= jnp.all(jnp.sum(rel > 0, axis=-1) <= 1)
+            calls.append(jnp.max(rel, axis=-1))                              # [B, 2]: one id per free call
+            changed = r != state.tables[slots, g]                            # at most 2 entries per row if single
+            for j in (jnp.argmax(changed, axis=-1), M - 1 - jnp.argmax(changed[:, ::-1], axis=-1)):
+                zeroed.append((g, j, jnp.any(changed, axis=-1)))
+        else:
+            skip = skipped_tokens(layout.groups[g].spec, computed)
+            sb = jnp.where(skip > 0, jnp.minimum(skip // bs, lens[:, g]), 0)
+            last, below = (state.tables[slots, g, jnp.maximum(sb - k, 0)] for k in (1, 2))
+            freed = (sb > 0) & (last != 0)
+            single &= jnp.all(~freed | (sb < 2) | (below == 0))
+            retired_new.append(retired[:, g])
+            cleared[g] = sb
+            calls.append(jnp.stack([jnp.where(freed, last, 0), jnp.zeros_like(last)], 1))
+            zeroed.append((g, sb - 1, freed))
+    flat = jnp.stack(calls, 1).reshape(-1) if calls else jnp.zeros(0, jnp.int32)  # request, group, call order
+    early_g = jnp.array([layout.evicts_early(g) for g in release_groups], bool)
+    early = jnp.broadcast_to(early_g[None, :, None], (B, len(release_groups), 2)).reshape(-1)
+    retired_new = jnp.stack(retired_new, 1)
 
     cnt, new_idx = [], []
     for g in range(G):
@@ -549,26 +578,59 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
             new_idx.append(lens[:, g])
     cnt, new_idx = jnp.stack(cnt, 1), jnp.stack(new_idx, 1)                  # [B, G], each count 0 or 1
     total = jnp.sum(cnt)
-
-    pool, cache = state.bp.pool, state.bp.cache
     nfull = jnp.minimum(jnp.minimum(C + 1, T), (T // bs) * bs) // bs
     before = state.num_cached[slots]                                         # [B, G]
-    releases = _plan_releases(pool, cache, flat, early)
-    # New blocks come from blocks free before the step (none released to the front when any is taken).
-    pop = P.pop_plan(pool, total, B * G)
-    vectorisable = (
-        jnp.all(state.status[slots] == RUNNING) & jnp.all(T - C >= 1)
-        & (total <= pool.num_free) & pop.enough
-        & ~jnp.any(BP.pc.needs_promotion(cache, pop.ids)) & jnp.all(nfull[:, None] - before <= 1)
-    )
-    fast = vectorisable & single & releases.fits & ((total == 0) | ~jnp.any(releases.to_front))
-    offset = (jnp.cumsum(cnt.reshape(-1)) - cnt.reshape(-1)).reshape(B, G)
-    new_block = jnp.where(cnt > 0, pop.ids[jnp.minimum(offset, B * G - 1)], 0)
-    # The blocks this token filled: at most one per (request, group), cached in request then group order.
-    blk = jnp.stack([jnp.where((cnt[:, g] > 0) & (new_idx[:, g] == before[:, g]), new_block[:, g],
-                               entry(g, before[:, g])) for g in range(G)], 1)
-    todo = (nfull[:, None] > before) & (blk > 0)
-    keys = state.hashes[slots[:, None], jnp.minimum(before, state.hashes.shape[1] - 1)]  # [B, G, 4]
+    num_cached = jnp.maximum(before, nfull[:, None])
+    running = jnp.all(state.status[slots] == RUNNING) & jnp.all(T - C >= 1)
+    idle = (running & (total == 0) & jnp.all(num_cached == before) & jnp.all(flat == 0)
+            & jnp.all(retired_new == retired))
+
+    def entry(g, j):
+        """Entry ``j`` of group ``g``'s row after the releases."""
+        j = jnp.clip(j, 0, M - 1)
+        if g in cleared:
+            return jnp.where(j < cleared[g], 0, state.tables[slots, g, j])
+        return after[g][bidx, j] if g in after else state.tables[slots, g, j]
+
+    def make_plan() -> _DecodePlan:
+        pool, cache = state.bp.pool, state.bp.cache
+        releases = _plan_releases(pool, cache, flat, early)
+        # New blocks come from blocks free before the step (none released to the front when any is taken).
+        pop = P.pop_plan(pool, total, B * G)
+        vectorisable = (
+            running & (total <= pool.num_free) & pop.enough
+            & ~jnp.any(BP.pc.needs_promotion(cache, pop.ids)) & jnp.all(nfull[:, None] - before <= 1)
+        )
+        fast = vectorisable & single & releases.fits & ((total == 0) | ~jnp.any(releases.to_front))
+        offset = (jnp.cumsum(cnt.reshape(-1)) - cnt.reshape(-1)).reshape(B, G)
+        new_block = jnp.where(cnt > 0, pop.ids[jnp.minimum(offset, B * G - 1)], 0)
+        # The blocks this token filled: at most one per (request, group), cached in request then group order.
+        blk = jnp.stack([jnp.where((cnt[:, g] > 0) & (new_idx[:, g] == before[:, g]), new_block[:, g],
+                                   entry(g, before[:, g])) for g in range(G)], 1)
+        todo = (nfull[:, None] > before) & (blk > 0)
+        keys = state.hashes[slots[:, None], jnp.minimum(before, state.hashes.shape[1] - 1)]  # [B, G, 4]
+        many = jnp.bool_(False)
+        if release_groups:
+            # Free calls releasing several blocks (the first step after a long prefill): still vectorised
+            # when every released block goes to the back of the queue.
+            def many_ok():
+                wide = _plan_releases(pool, cache, wide_calls(state.tables)[1], wide_early)
+                return wide.fits & ~jnp.any(wide.to_front)
+
+            many = jax.lax.cond(vectorisable & ~single, many_ok, lambda: jnp.bool_(False))
+        branch = jnp.where(fast, 1, jnp.where(many, 2, 3)).astype(jnp.int32)
+        return _DecodePlan(branch, releases, pop, new_block, blk, todo, keys)
+
+    wide_early = jnp.repeat(early, M)
+
+    def wide_calls(tables):
+        """Every release group's rows after the step, and all free calls (request, group, call, entry order)."""
+        out = {g: wide_releases(tables, g) for g in release_groups}
+        return {g: o[0] for g, o in out.items()}, jnp.stack([o[3] for o in out.values()], 1).reshape(-1)
+
+    # Only planned in a busy step (small outputs: nothing large passes through the conditional).
+    plan = jax.lax.cond(idle, lambda: jax.tree.map(jnp.zeros_like, make_plan()), make_plan)
+
     groups = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32), (B, G))
     mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
     last_new = jnp.stack([jnp.where((cnt[:, g] > 0) & (lens[:, g] > 0), lens[:, g] - 1, last_state[:, g])
@@ -576,19 +638,23 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
     lens_new = jnp.stack([jnp.where(cnt[:, g] > 0, new_idx[:, g] + 1, lens[:, g]) if layout.is_mamba(g)
                           else lens[:, g] + cnt[:, g] for g in range(G)], 1)
 
-    def vectorised(state: AllocatorState, releases: _Releases, many: bool):
-        p = P.pop_apply(_apply_releases(state.bp.pool, releases), pop)
-        c = BP.pc.evict_alone(state.bp.cache, pop.ids)
-        c = BP.pc.insert_many(c, jnp.where(todo, blk, 0).reshape(-1), keys.reshape(-1, 4), groups.reshape(-1))
+    def count_token(state: AllocatorState):
+        return _replace(state, num_computed=state.num_computed.at[slots].set(C + 1)), jnp.ones(B, bool)
+
+    def vectorised(state: AllocatorState, releases: _Releases, rows_after: dict | None):
+        p = P.pop_apply(_apply_releases(state.bp.pool, releases), plan.pop)
+        c = BP.pc.evict_alone(state.bp.cache, plan.pop.ids)
+        todo, blk = plan.todo, plan.blk
+        c = BP.pc.insert_many(c, jnp.where(todo, blk, 0).reshape(-1), plan.keys.reshape(-1, 4), groups.reshape(-1))
         marked = todo & mamba_g[None, :]
         size = state.step_cached.shape[0]
         step_cached = state.step_cached.at[
             jnp.where(marked, c.block_slot[jnp.where(marked, blk, 0)], size)].set(True, mode="drop")
         # Table entries: the released ones become null, the new block goes in.
         tables = state.tables.at[slots[:, None], jnp.arange(G)[None, :],
-                                 jnp.where(cnt > 0, new_idx, M)].set(new_block, mode="drop")
-        if many:  # released entries anywhere in the rows: write the release groups' rows whole
-            for g, r in after.items():
+                                 jnp.where(cnt > 0, new_idx, M)].set(plan.new_block, mode="drop")
+        if rows_after:  # released entries anywhere in the rows: write the release groups' rows whole
+            for g, r in rows_after.items():
                 keep = (idx_m[None, :] == jnp.where(cnt[:, g] > 0, new_idx[:, g], M)[:, None])
                 tables = tables.at[slots, g].set(jnp.where(keep, tables[slots, g], r))
         else:
@@ -600,38 +666,31 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
             step_cached=step_cached,
             tables=tables,
             table_len=state.table_len.at[slots].set(lens_new),
-            retired=state.retired.at[slots].set(jnp.stack(retired_new, 1)),
+            retired=state.retired.at[slots].set(retired_new),
             last_state=state.last_state.at[slots].set(last_new),
-            num_cached=state.num_cached.at[slots].set(jnp.maximum(before, nfull[:, None])),
+            num_cached=state.num_cached.at[slots].set(num_cached),
             num_computed=state.num_computed.at[slots].set(C + 1),
         )
         return st, jnp.ones(B, bool)
+
+    def many_releases(state: AllocatorState):
+        rows_after, wide_flat = wide_calls(state.tables)
+        rel = _plan_releases(state.bp.pool, state.bp.cache, wide_flat, wide_early)
+        # Reads before in-place writes, made explicit: else XLA copies the pool in every branch.
+        rel, state = jax.lax.optimization_barrier((rel, state))
+        return vectorised(state, rel, rows_after)
 
     def sequential(state: AllocatorState):
         st, ok, _, _ = schedule_batch(layout, state, slots, jnp.ones(B, jnp.int32))
         return st, ok
 
-    if not wide:
-        return (*_cond_mutable(fast, lambda s: vectorised(s, releases, False), sequential, state), fast)
-    # Free calls releasing several blocks (the first step after a long prefill): still vectorised when
-    # every released block goes to the back of the queue (checked conservatively, without sorting).
-    wide_flat = jnp.stack(wide, 1).reshape(-1)                               # request, group, call, entry
-    wide_early = jnp.repeat(early, M)
-
-    def many_check():
-        wb = jnp.maximum(wide_flat, 0)
-        to_back = (wide_flat == 0) | ((cache.block_slot[wb] >= 0) & ~(wide_early & ~cache.hit[wb]))
-        return jnp.all(to_back) & (pool.tail - pool.head + jnp.sum(wide_flat > 0) <= pool.num_blocks)
-
-    # Only computed in such a step (a scalar out of the conditional: nothing is copied).
-    many_ok = jax.lax.cond(vectorisable & ~single, many_check, lambda: jnp.bool_(False))
-
-    def many_releases(state: AllocatorState):
-        return vectorised(state, _plan_releases(state.bp.pool, state.bp.cache, wide_flat, wide_early), True)
-
-    branch = jnp.where(fast, 0, jnp.where(vectorisable & ~single & many_ok, 1, 2))
-    st, ok = _switch_mutable(branch, [lambda s: vectorised(s, releases, False), many_releases, sequential], state)
-    return st, ok, branch < 2
+    path = jnp.where(idle, 0, plan.branch)
+    fns = [count_token, lambda s: vectorised(s, plan.releases, None), many_releases, sequential]
+    index = path
+    if not release_groups:  # path is never 2: no many-release branch to compile
+        fns, index = [fns[0], fns[1], fns[3]], jnp.minimum(path, 2)
+    st, ok = _switch_mutable(index, fns, state)
+    return st, ok, path
 
 
 # Fields a schedule never changes: kept out of ``lax.cond`` outputs, so XLA need not copy them.
