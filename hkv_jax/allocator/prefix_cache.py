@@ -235,11 +235,11 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
         at = jnp.minimum(jnp.searchsorted(srt, probe), K - 1)
         return jnp.where(srt[at] == probe, order[at], big)
 
-    def contest(claimed, free, probe):
+    def contest(claimed, free, probe, lane):
         """The earliest free key at each probe slot wins it: (claimed, won)."""
         if by_table:
-            claimed = claimed.at[jnp.where(free, probe, size)].min(idx, mode="drop")
-            return claimed, free & (claimed[probe] == idx)
+            claimed = claimed.at[jnp.where(free, probe, size)].min(lane, mode="drop")
+            return claimed, free & (claimed[probe] == lane)
         keyed = jnp.where(free, probe, big)
         order = jnp.argsort(keyed, stable=True)                        # equal slots: batch order
         srt = keyed[order]
@@ -247,23 +247,37 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
         won = jnp.zeros(K, bool).at[order].set(first)
         return jnp.where(won, probe, claimed), won
 
-    def body(c):
+    def body(c, lane, lane_keys, lane_groups):
+        """One round for the batch keys ``lane`` (per-lane ``pending``, ``probe``, ``slot_of``)."""
         claimed, pending, probe, slot_of = c
         o = claims_at(claimed, probe)
         is_claimed = o < big
         oc = jnp.minimum(o, K - 1)
-        same = is_claimed & (groups[oc] == groups) & jnp.all(keys[oc] == keys, axis=-1)
+        same = is_claimed & (groups[oc] == lane_groups) & jnp.all(keys[oc] == lane_keys, axis=-1)
         joined = pending & same
         taken = cache.group[probe] >= 0
         free = pending & ~taken & ~is_claimed
-        claimed, won = contest(claimed, free, probe)
+        claimed, won = contest(claimed, free, probe, lane)
         slot_of = jnp.where(won | joined, probe, slot_of)
         moved = pending & (taken | (is_claimed & ~same))
         return claimed, pending & ~(won | joined), jnp.where(moved, (probe + 1) & mask, probe), slot_of
 
     init = jnp.full(size if by_table else K, big, jnp.int32)
-    claimed, _, _, slot_of = jax.lax.while_loop(
-        lambda c: jnp.any(c[1]), body, (init, do & (found < 0), home, found))
+    c = (init, do & (found < 0), home, found)
+    if not by_table:
+        c = jax.lax.while_loop(lambda c: jnp.any(c[1]), lambda c: body(c, idx, keys, groups), c)
+    else:
+        # Most keys settle in the first rounds: once few are pending, the rounds run over those only.
+        cap = max(K // 16, 1)
+        c = jax.lax.while_loop(lambda c: jnp.sum(c[1]) > cap, lambda c: body(c, idx, keys, groups), c)
+        claimed, pending, probe, slot_of = c
+        lane = jnp.nonzero(pending, size=cap, fill_value=K)[0].astype(jnp.int32)
+        lane_c = jnp.minimum(lane, K - 1)
+        small = (claimed, pending[lane_c] & (lane < K), probe[lane_c], slot_of[lane_c])
+        claimed, _, _, slot_c = jax.lax.while_loop(
+            lambda c: jnp.any(c[1]), lambda c: body(c, lane, keys[lane_c], groups[lane_c]), small)
+        c = (claimed, None, None, slot_of.at[lane].set(slot_c, mode="drop"))
+    claimed, _, _, slot_of = c
     owner = claims_at(claimed, jnp.maximum(slot_of, 0))
     opened = do & (found < 0) & (owner == idx)                        # first block under a new key
     tgt = jnp.where(opened, slot_of, size)
