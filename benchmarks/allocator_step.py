@@ -3,9 +3,9 @@
 The workload of ``shared/tools/vllm_oracle/replay.py --bench`` (vLLM 0.33's KVCacheManager), run through
 hkv-jax's jitted allocator: block size 16, prefix caching on, ``vllm`` planner policy, pool sized by the
 oracle's formula. Prefill = lookup + allocate of the whole prompt for every request (one ``prefill_batch``
-program; it reports whether its vectorised path ran); a decode step = every request allocates one more token (one ``decode_step`` program; it reports
-whether its vectorised path ran). Times are wall clock after
-compilation, with ``block_until_ready``; decode is the median of the 32 steps, prefill the median of
+program; it reports whether its vectorised path ran); a decode step = every request allocates one more token (one
+``decode_step`` program; it reports which path ran: token count only, vectorised, or the sequential fallback).
+Times are wall clock after compilation, with ``block_until_ready``; decode is the median of the 32 steps, prefill the median of
 ``--repeats`` fresh prefills. Run: ``python benchmarks/allocator_step.py [--models full32,gemma3,gptoss]
 [--batch 64,256,1024] [--json]``.
 """
@@ -75,20 +75,24 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None) 
         prefill_vectorised += int(fast)
         if not bool(ok.all()):
             raise RuntimeError("pool too small for the prefill")
-    st = append(layout, st, slots, jnp.asarray(rng.integers(1, 32000, batch), jnp.int32))
+    st = jax.block_until_ready(append(layout, st, slots, jnp.asarray(rng.integers(1, 32000, batch), jnp.int32)))
     jax.block_until_ready(decode(layout, jax.tree.map(jnp.copy, st), slots))  # compile the decode step
-    steps, vectorised = [], 0
+    steps, paths = [], [0, 0, 0, 0]
     for _ in range(DECODE):
         t = time.perf_counter()
-        st, ok, fast = jax.block_until_ready(decode(layout, st, slots))
+        st, ok, path = jax.block_until_ready(decode(layout, st, slots))
         steps.append(time.perf_counter() - t)
-        vectorised += int(fast)
+        paths[int(path)] += 1
         if not bool(ok.all()):
             raise RuntimeError("pool too small for decode")
-        st = append(layout, st, slots, jnp.asarray(rng.integers(1, 32000, batch), jnp.int32))
+        # Appending the sampled token (and hashing a block it fills) is not part of the step, as in vLLM's
+        # measurement; wait for it, or its work would be timed with the next step.
+        st = jax.block_until_ready(append(layout, st, slots, jnp.asarray(rng.integers(1, 32000, batch), jnp.int32)))
     return {"model": name, "batch": batch, "num_blocks": nb, "groups": groups,
             "decode_step_us": round(statistics.median(steps) * 1e6, 1),
-            "decode_step_mean_us": round(statistics.mean(steps) * 1e6, 1), "vectorised_steps": vectorised,
+            "decode_step_mean_us": round(statistics.mean(steps) * 1e6, 1),
+            # decode_step's paths: token count only, vectorised, vectorised (many releases), sequential
+            "decode_paths": paths,
             "prefill_us_per_request": round(statistics.median(prefill) / batch * 1e6, 1),
             "prefill_vectorised": prefill_vectorised == repeats}
 
@@ -112,11 +116,11 @@ def main(argv=None) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"machine: {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, jax {jax.__version__}")
-    print(f"{'model':<8} {'B':>5} {'blocks':>9} {'decode step us':>15} {'(mean)':>9} {'vectorised':>10} "
+    print(f"{'model':<8} {'B':>5} {'blocks':>9} {'decode step us':>15} {'(mean)':>9} {'paths c/v/m/s':>14} "
           f"{'prefill us/req':>15} {'vectorised':>10}")
     for r in rows:
         print(f"{r['model']:<8} {r['batch']:>5} {r['num_blocks']:>9} {r['decode_step_us']:>15} "
-              f"{r['decode_step_mean_us']:>9} {r['vectorised_steps']:>7}/{DECODE} {r['prefill_us_per_request']:>15} "
+              f"{r['decode_step_mean_us']:>9} {'/'.join(map(str, r['decode_paths'])):>14} {r['prefill_us_per_request']:>15} "
               f"{str(r['prefill_vectorised']):>10}")
     return 0
 
