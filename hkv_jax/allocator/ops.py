@@ -512,8 +512,8 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
     request-by-request order when the new blocks come from blocks already free before the step and
     no released block goes to the queue front (the steady state). Otherwise (a nearly full pool,
     uncached releases, a queue to compact, an evicted key with duplicates) it falls back to
-    ``schedule_batch``. Everything a branch does is planned read-only first (and only in a busy
-    step), so the branch updates the state in place.
+    ``schedule_batch``. A busy step plans everything read-only first, so its branch updates the
+    state in place.
     Returns (state, ok ``bool[B]``, the path taken ``i32[]``: 0 = only counted the token, 1 = vectorised,
     2 = vectorised with free calls releasing several blocks, 3 = sequential fallback).
     """
@@ -585,14 +585,21 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
     idle = (running & (total == 0) & jnp.all(num_cached == before) & jnp.all(flat == 0)
             & jnp.all(retired_new == retired))
 
-    def entry(g, j):
+    def entry(tables, g, j):
         """Entry ``j`` of group ``g``'s row after the releases."""
         j = jnp.clip(j, 0, M - 1)
         if g in cleared:
-            return jnp.where(j < cleared[g], 0, state.tables[slots, g, j])
-        return after[g][bidx, j] if g in after else state.tables[slots, g, j]
+            return jnp.where(j < cleared[g], 0, tables[slots, g, j])
+        return after[g][bidx, j] if g in after else tables[slots, g, j]
 
-    def make_plan() -> _DecodePlan:
+    wide_early = jnp.repeat(early, M)
+
+    def wide_calls(tables):
+        """Every release group's rows after the step, and all free calls (request, group, call, entry order)."""
+        out = {g: wide_releases(tables, g) for g in release_groups}
+        return {g: o[0] for g, o in out.items()}, jnp.stack([o[3] for o in out.values()], 1).reshape(-1)
+
+    def make_plan(state: AllocatorState) -> _DecodePlan:
         pool, cache = state.bp.pool, state.bp.cache
         releases = _plan_releases(pool, cache, flat, early)
         # New blocks come from blocks free before the step (none released to the front when any is taken).
@@ -606,7 +613,7 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
         new_block = jnp.where(cnt > 0, pop.ids[jnp.minimum(offset, B * G - 1)], 0)
         # The blocks this token filled: at most one per (request, group), cached in request then group order.
         blk = jnp.stack([jnp.where((cnt[:, g] > 0) & (new_idx[:, g] == before[:, g]), new_block[:, g],
-                                   entry(g, before[:, g])) for g in range(G)], 1)
+                                   entry(state.tables, g, before[:, g])) for g in range(G)], 1)
         todo = (nfull[:, None] > before) & (blk > 0)
         keys = state.hashes[slots[:, None], jnp.minimum(before, state.hashes.shape[1] - 1)]  # [B, G, 4]
         many = jnp.bool_(False)
@@ -621,16 +628,6 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
         branch = jnp.where(fast, 1, jnp.where(many, 2, 3)).astype(jnp.int32)
         return _DecodePlan(branch, releases, pop, new_block, blk, todo, keys)
 
-    wide_early = jnp.repeat(early, M)
-
-    def wide_calls(tables):
-        """Every release group's rows after the step, and all free calls (request, group, call, entry order)."""
-        out = {g: wide_releases(tables, g) for g in release_groups}
-        return {g: o[0] for g, o in out.items()}, jnp.stack([o[3] for o in out.values()], 1).reshape(-1)
-
-    # Only planned in a busy step (small outputs: nothing large passes through the conditional).
-    plan = jax.lax.cond(idle, lambda: jax.tree.map(jnp.zeros_like, make_plan()), make_plan)
-
     groups = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32), (B, G))
     mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
     last_new = jnp.stack([jnp.where((cnt[:, g] > 0) & (lens[:, g] > 0), lens[:, g] - 1, last_state[:, g])
@@ -639,9 +636,9 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
                           else lens[:, g] + cnt[:, g] for g in range(G)], 1)
 
     def count_token(state: AllocatorState):
-        return _replace(state, num_computed=state.num_computed.at[slots].set(C + 1)), jnp.ones(B, bool)
+        return _replace(state, num_computed=state.num_computed.at[slots].set(C + 1)), (jnp.ones(B, bool), jnp.int32(0))
 
-    def vectorised(state: AllocatorState, releases: _Releases, rows_after: dict | None):
+    def vectorised(state: AllocatorState, plan: _DecodePlan, releases: _Releases, rows_after: dict | None):
         p = P.pop_apply(_apply_releases(state.bp.pool, releases), plan.pop)
         c = BP.pc.evict_alone(state.bp.cache, plan.pop.ids)
         todo, blk = plan.todo, plan.blk
@@ -673,24 +670,31 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
         )
         return st, jnp.ones(B, bool)
 
-    def many_releases(state: AllocatorState):
+    def many_releases(state: AllocatorState, plan: _DecodePlan):
         rows_after, wide_flat = wide_calls(state.tables)
         rel = _plan_releases(state.bp.pool, state.bp.cache, wide_flat, wide_early)
-        # Reads before in-place writes, made explicit: else XLA copies the pool in every branch.
-        rel, state = jax.lax.optimization_barrier((rel, state))
-        return vectorised(state, rel, rows_after)
+        rel, state = jax.lax.optimization_barrier((rel, state))  # reads before writes, as in ``busy``
+        return vectorised(state, plan, rel, rows_after)
 
-    def sequential(state: AllocatorState):
+    def sequential(state: AllocatorState, plan: _DecodePlan):
         st, ok, _, _ = schedule_batch(layout, state, slots, jnp.ones(B, jnp.int32))
         return st, ok
 
-    path = jnp.where(idle, 0, plan.branch)
-    fns = [count_token, lambda s: vectorised(s, plan.releases, None), many_releases, sequential]
-    index = path
-    if not release_groups:  # path is never 2: no many-release branch to compile
-        fns, index = [fns[0], fns[1], fns[3]], jnp.minimum(path, 2)
-    st, ok = _switch_mutable(index, fns, state)
-    return st, ok, path
+    def busy(state: AllocatorState):
+        """Plan (reads), then update in place: the barrier orders the reads before the writes,
+        else XLA copies the pool and the cache in every branch."""
+        plan = make_plan(state)
+        plan, state = jax.lax.optimization_barrier((plan, state))
+        fns = [lambda s: vectorised(s, plan, plan.releases, None), lambda s: many_releases(s, plan),
+               lambda s: sequential(s, plan)]
+        index = plan.branch - 1
+        if not release_groups:  # the branch is never 2: no many-release branch to compile
+            fns, index = [fns[0], fns[2]], jnp.minimum(index, 1)
+        st, ok = _switch_mutable(index, fns, state)
+        return st, (ok, plan.branch)
+
+    state, (ok, path) = _cond_mutable(idle, count_token, busy, state)
+    return state, ok, path
 
 
 # Fields a schedule never changes: kept out of ``lax.cond`` outputs, so XLA need not copy them.
