@@ -453,17 +453,22 @@ def _plan_releases(pool: P.BlockPool, cache, flat: jax.Array, early: jax.Array) 
     N, K = pool.num_blocks, flat.shape[0]
     valid = flat > 0
     fb = jnp.where(valid, flat, 0)
-    # A block may be released by several calls (shared by requests): it is free after the last one.
-    # Runs of equal ids in a stable sort give each id's call count and last call (O(K), not O(N)).
-    order = jnp.argsort(flat, stable=True)
-    ids = flat[order]
     lane = jnp.arange(K, dtype=jnp.int32)
-    starts = jnp.concatenate([jnp.ones(1, bool), ids[1:] != ids[:-1]]) if K else jnp.zeros(0, bool)
-    ends = jnp.concatenate([ids[1:] != ids[:-1], jnp.ones(1, bool)]) if K else jnp.zeros(0, bool)
-    run_start = jax.lax.cummax(jnp.where(starts, lane, 0))
-    run_end = jax.lax.cummin(jnp.where(ends, lane, K), reverse=True)
-    drops = jnp.zeros(K, jnp.int32).at[order].set(run_end - run_start + 1)
-    is_last = jnp.zeros(K, bool).at[order].set(ends)
+    # A block may be released by several calls (shared by requests): it is free after the last one.
+    if K * 8 >= N:  # many calls: count them in pool-sized arrays (O(K + N))
+        at = jnp.where(valid, flat, N)
+        count = jnp.zeros(N, jnp.int32).at[at].add(1, mode="drop")
+        drops = count[fb]
+        is_last = jnp.full(N, -1, jnp.int32).at[at].max(lane, mode="drop")[fb] == lane
+    else:  # few: runs of equal ids in a stable sort give each id's call count and last call (O(K log K))
+        order = jnp.argsort(flat, stable=True)
+        ids = flat[order]
+        starts = jnp.concatenate([jnp.ones(1, bool), ids[1:] != ids[:-1]]) if K else jnp.zeros(0, bool)
+        ends = jnp.concatenate([ids[1:] != ids[:-1], jnp.ones(1, bool)]) if K else jnp.zeros(0, bool)
+        run_start = jax.lax.cummax(jnp.where(starts, lane, 0))
+        run_end = jax.lax.cummin(jnp.where(ends, lane, K), reverse=True)
+        drops = jnp.zeros(K, jnp.int32).at[order].set(run_end - run_start + 1)
+        is_last = jnp.zeros(K, bool).at[order].set(ends)
     now_free = valid & (pool.ref_count[fb] == drops) & is_last
     to_front = now_free & ((cache.block_slot[fb] < 0) | (early & ~cache.hit[fb]))
     fits = pool.tail - pool.head + jnp.sum(now_free, dtype=jnp.int32) <= N
