@@ -220,11 +220,12 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
     idx = jnp.arange(K, dtype=jnp.int32)
     home = jax.vmap(lambda k, g: _home(cache, k, g))(keys, groups)
     big = jnp.iinfo(jnp.int32).max
-    # Claims of this batch: a claim array over the table when the batch is large, else the batch's own
-    # claimed slots, sorted each round (no table-sized array: cost independent of the pool).
+    # Claims of this batch: a claim array over the table (filled once, then O(K) per round) unless the
+    # batch is tiny next to the table; else the batch's own claimed slots, sorted each round (O(K log K)
+    # per round, no table-sized array). A sort per round costs more than a fill of 128 slots per key.
     if claims not in ("auto", "table", "sorted"):
         raise ValueError(f"claims must be auto, table or sorted, got {claims!r}")
-    by_table = claims == "table" or (claims == "auto" and K * 8 >= size)
+    by_table = claims == "table" or (claims == "auto" and K * 128 >= size)
 
     def claims_at(claimed, probe):
         """Owner (batch index) of each probe slot, ``big`` if unclaimed."""
