@@ -597,12 +597,12 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
             return jnp.where(j < cleared[g], 0, tables[slots, g, j])
         return after[g][bidx, j] if g in after else tables[slots, g, j]
 
-    wide_early = jnp.repeat(early, M)
-
     def wide_calls(tables):
-        """Every release group's rows after the step, and all free calls (request, group, call, entry order)."""
+        """Every release group's rows after the step, all free calls (request, group, call, entry order)
+        and which go to the front early (built only in a busy step: ``B * G * 2 * M`` lanes)."""
         out = {g: wide_releases(tables, g) for g in release_groups}
-        return {g: o[0] for g, o in out.items()}, jnp.stack([o[3] for o in out.values()], 1).reshape(-1)
+        flat = jnp.stack([o[3] for o in out.values()], 1).reshape(-1)
+        return {g: o[0] for g, o in out.items()}, flat, jnp.repeat(early, M)
 
     def make_plan(state: AllocatorState) -> _DecodePlan:
         pool, cache = state.bp.pool, state.bp.cache
@@ -626,7 +626,7 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
             # Free calls releasing several blocks (the first step after a long prefill): still vectorised
             # when every released block goes to the back of the queue.
             def many_ok():
-                wide = _plan_releases(pool, cache, wide_calls(state.tables)[1], wide_early)
+                wide = _plan_releases(pool, cache, *wide_calls(state.tables)[1:])
                 return wide.fits & ~jnp.any(wide.to_front)
 
             many = jax.lax.cond(vectorisable & ~single, many_ok, lambda: jnp.bool_(False))
@@ -676,12 +676,12 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
         return st, jnp.ones(B, bool)
 
     def many_releases(state: AllocatorState, plan: _DecodePlan):
-        rows_after, wide_flat = wide_calls(state.tables)
+        rows_after, wide_flat, wide_early = wide_calls(state.tables)
         rel = _plan_releases(state.bp.pool, state.bp.cache, wide_flat, wide_early)
         rel, state = jax.lax.optimization_barrier((rel, state))  # reads before writes, as in ``busy``
         return vectorised(state, plan, rel, rows_after)
 
-    def sequential(state: AllocatorState, plan: _DecodePlan):
+    def sequential(state: AllocatorState):
         st, ok, _, _ = schedule_batch(layout, state, slots, jnp.ones(B, jnp.int32))
         return st, ok
 
@@ -690,8 +690,7 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
         else XLA copies the pool and the cache in every branch."""
         plan = make_plan(state)
         plan, state = jax.lax.optimization_barrier((plan, state))
-        fns = [lambda s: vectorised(s, plan, plan.releases, None), lambda s: many_releases(s, plan),
-               lambda s: sequential(s, plan)]
+        fns = [lambda s: vectorised(s, plan, plan.releases, None), lambda s: many_releases(s, plan), sequential]
         index = plan.branch - 1
         if not release_groups:  # the branch is never 2: no many-release branch to compile
             fns, index = [fns[0], fns[2]], jnp.minimum(index, 1)

@@ -130,9 +130,13 @@ def pop_free(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOL
     ``count``. The caller checks ``count <= num_free`` first (all-or-nothing
     allocation); the taken blocks get ref count 1.
     """
-    enough = pop_plan(pool, count, max_count, slack).enough
-    pool = jax.lax.cond(enough, lambda p: p, compact, pool)
     plan = pop_plan(pool, count, max_count, slack)
+
+    def compacted(p: BlockPool):
+        p = compact(p)
+        return p, pop_plan(p, count, max_count, slack)
+
+    pool, plan = jax.lax.cond(plan.enough, lambda p: (p, plan), compacted, pool)
     return pop_apply(pool, plan), plan.ids
 
 

@@ -266,7 +266,7 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
     init = jnp.full(size if by_table else K, big, jnp.int32)
     c = (init, do & (found < 0), home, found)
     if not by_table:
-        c = jax.lax.while_loop(lambda c: jnp.any(c[1]), lambda c: body(c, idx, keys, groups), c)
+        claimed, _, _, slot_of = jax.lax.while_loop(lambda c: jnp.any(c[1]), lambda c: body(c, idx, keys, groups), c)
     else:
         # Most keys settle in the first rounds: once few are pending, the rounds run over those only.
         cap = max(K // 16, 1)
@@ -277,8 +277,7 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
         small = (claimed, pending[lane_c] & (lane < K), probe[lane_c], slot_of[lane_c])
         claimed, _, _, slot_c = jax.lax.while_loop(
             lambda c: jnp.any(c[1]), lambda c: body(c, lane, keys[lane_c], groups[lane_c]), small)
-        c = (claimed, None, None, slot_of.at[lane].set(slot_c, mode="drop"))
-    claimed, _, _, slot_of = c
+        slot_of = slot_of.at[lane].set(slot_c, mode="drop")
     owner = claims_at(claimed, jnp.maximum(slot_of, 0))
     opened = do & (found < 0) & (owner == idx)                        # first block under a new key
     tgt = jnp.where(opened, slot_of, size)
