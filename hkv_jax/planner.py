@@ -90,6 +90,15 @@ class KVCacheGroup:
         return all_blocks
 
 
+def merge_parts(parts: tuple[tuple[int, ...], ...], rows: list[list[int]]) -> list[list[int]]:
+    """Per-KV-cache-group block lists from per-allocator-group ones (``allocator_groups``' parts).
+
+    A spanning Mamba group lists each table entry's pages in part order:
+    entry ``i``'s page ``j`` is element ``i * k + j``.
+    """
+    return [[b for entry in zip(*(rows[j] for j in p)) for b in entry] for p in parts]
+
+
 @dataclass(frozen=True)
 class KVCacheTensor:
     """One page-major buffer: ``size_bytes`` shared by one layer of each group."""
@@ -171,6 +180,24 @@ class KVCacheConfig:
     def max_concurrent_requests(self, num_tokens: int) -> int:
         """How many requests of ``num_tokens`` tokens fit in the pool at once."""
         return (self.num_blocks - 1) // self.blocks_per_request(num_tokens)
+
+    def allocator_groups(self) -> tuple[tuple[KVCacheGroup, ...], tuple[tuple[int, ...], ...]]:
+        """The groups the allocator tracks, and which of them make up each KV cache group.
+
+        A Mamba group whose state spans ``k`` pages becomes ``k`` allocator
+        groups of one page each (its parts): equal specs, so they are looked
+        up, allocated (all or nothing) and released together, and a cached
+        state hits only when all its pages are cached. Other groups map to
+        themselves. Returns ``(groups, parts)``: ``groups[j].group_id == j``
+        and ``parts[g]`` lists the allocator groups of KV cache group ``g``.
+        """
+        groups: list[KVCacheGroup] = []
+        parts: list[tuple[int, ...]] = []
+        for g in self.groups:
+            first = len(groups)
+            groups += [replace(g, group_id=first + j, blocks_per_state=1) for j in range(g.blocks_per_state)]
+            parts.append(tuple(range(first, len(groups))))
+        return tuple(groups), tuple(parts)
 
     def group_of_layer(self, name: str) -> KVCacheGroup:
         """The group holding layer ``name`` (owning or KV-sharing)."""

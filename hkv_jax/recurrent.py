@@ -9,7 +9,9 @@ computes positions ``[start, seq_len)`` therefore reads entry
 ``cdiv(start, bs) - 1`` (a zero state when ``start == 0``) and writes entry
 ``cdiv(seq_len, bs) - 1``. For that entry to mean what its hash says, a
 chunk that starts inside a block must not run past the next block
-boundary (``Engine`` trims such chunks).
+boundary (``Engine`` trims such chunks). Under the ``min-waste`` planner a
+state may span ``k`` pages; an entry is then ``k`` pages, listed together in
+the step's block table (``Layout.config_tables``).
 
 ``ragged_scan`` runs a per-token cell over a ragged batch, each sequence
 from its own state.
@@ -31,24 +33,21 @@ from kernels_pallas.reference import query_positions
 def state_blocks(cache: KVCache, layer: str, metadata: AttentionMetadata):
     """``(src, dst, fresh, active)`` of Mamba ``layer`` for every sequence of the step.
 
-    ``src, dst: i32[S, 1]`` are the blocks to read the state from and write it
+    ``src, dst: i32[S, blocks_per_state]`` are the pages to read the state from and write it
     to; ``fresh: bool[S]`` marks sequences starting from the zero state;
     ``active: bool[S]`` those with at least one token in the step.
     """
     slot = cache.layout.slot(layer)
     if not isinstance(slot.spec, MambaSpec):
         raise TypeError(f"layer {layer!r} is not a Mamba layer")
-    if slot.blocks_per_state != 1:
-        raise ValueError(f"layer {layer!r}: states spanning {slot.blocks_per_state} blocks are not supported "
-                         "by the allocator yet; plan with the 'vllm' policy")
-    bs = slot.block_size
-    table = metadata.block_tables[slot.group_id]                       # [S, M]
+    bs, k = slot.block_size, slot.blocks_per_state
+    table = metadata.block_tables[slot.group_id]                       # [S, M * k]: entry i's pages at i*k..
     q_len = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
     start = metadata.seq_lens - q_len
 
     def entry(n):
-        idx = jnp.clip((n + bs - 1) // bs - 1, 0, table.shape[1] - 1)
-        return jnp.take_along_axis(table, idx[:, None], axis=1)
+        idx = jnp.clip((n + bs - 1) // bs - 1, 0, table.shape[1] // k - 1)
+        return jnp.take_along_axis(table, idx[:, None] * k + jnp.arange(k), axis=1)
 
     return entry(start), entry(metadata.seq_lens), start == 0, q_len > 0
 

@@ -1,10 +1,13 @@
 """The jitted allocator's promises beyond conformance: failure takes nothing, snapshots stay valid."""
 
+from dataclasses import replace
+
 import jax
 import numpy as np
 import pytest
 
 from hkv_jax.allocator.kv_cache_manager import KVCacheManager
+from hkv_jax.allocator.pymodel import PyAllocator
 from hkv_jax.planner import plan
 from hkv_jax.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
@@ -87,12 +90,43 @@ def test_bad_input_raises_and_keeps_state():
     assert m.schedule("a", "all", 4)["ok"]
 
 
-def test_unsupported_layouts_are_refused_clearly():
-    mixed = [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
-             MambaSpec(name="m", shapes=[[64, 64]], dtypes=["float32"])]
-    cfg = plan(mixed, block_size=4, policy="min-waste", num_blocks=10)
-    with pytest.raises(ValueError, match="spanning"):
-        KVCacheManager(cfg, max_model_len=32)
+def test_several_block_sizes_are_refused_clearly():
+    cfg = plan(LAYERS, block_size=4, policy="vllm", num_blocks=10)
+    mixed = replace(cfg, groups=(cfg.groups[0], replace(cfg.groups[1], block_size=8)))
+    with pytest.raises(ValueError, match="one block size"):
+        KVCacheManager(mixed, max_model_len=32)
+
+
+def test_a_spanning_mamba_state_takes_its_pages_together():
+    """Under min-waste a 384-byte state spans three 128-byte pages: every state entry is three distinct
+    pages, taken, cached, hit and released together; the plain-Python model agrees on every result."""
+    layers = [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
+              MambaSpec(name="m", shapes=[[2, 48]], dtypes=["float32"])]
+    cfg = plan(layers, block_size=4, policy="min-waste", num_blocks=16)
+    assert cfg.page_size_bytes == 128 and cfg.groups[1].blocks_per_state == 3
+    jx, py = KVCacheManager(cfg, max_model_len=32, max_requests=2), PyAllocator(cfg, max_model_len=32)
+
+    def both(op, *args):
+        a, b = getattr(jx, op)(*args), getattr(py, op)(*args)
+        assert a == b
+        assert jx.num_free_blocks == py.num_free_blocks
+        return a
+
+    prompt = list(range(1, 11))
+    both("add", "a", prompt)
+    both("schedule", "a", 8, None)     # the state after 8 tokens: entry 1, cached once full
+    both("new_step")
+    r = both("schedule", "a", "all", 99)
+    states = np.reshape(r["block_table"][1], (-1, 3))
+    live = states[states[:, 0] > 0]
+    assert len(live) == 2 and (live > 0).all() and len(set(live.ravel())) == 6  # old and new state
+    assert jx.num_free_blocks == 15 - len(r["block_table"][0]) - 6
+    both("free", "a")
+    both("add", "b", prompt[:8] + [50, 51, 52])
+    r = both("schedule", "b", "all", None)
+    assert r["cache_hit_tokens"] == 8
+    hit = np.reshape(r["hit_block_ids"][1], (-1, 3))
+    assert (hit[1] > 0).all() and len(set(hit[1])) == 3  # the cached state, all three pages
 
 
 @pytest.mark.parametrize("aware", [False, True])

@@ -17,7 +17,10 @@ MAX_LEN = 128
 # Pools small enough that the parity workload preempts (the groups differ per model).
 PARITY_BLOCKS = {("tiny-gemma3", True): 44, ("tiny-gemma3", False): 40, ("tiny-gptoss", True): 14,
                  ("tiny-gptoss", False): 20, ("tiny-llama4", True): 24, ("tiny-llama4", False): 28,
-                 ("tiny-jamba", True): 20, ("tiny-jamba", False): 20}
+                 ("tiny-jamba", True): 28, ("tiny-jamba", False): 20}
+# With prefix caching, tiny-jamba runs under the min-waste planner: each Mamba state spans 2 pages (the
+# vllm policy's one-page states run without caching here, and in every replay trace).
+POLICY = {("tiny-jamba", True): "min-waste"}
 
 
 def tiny(name: str, seed: int = 0) -> TinyLM:
@@ -48,7 +51,8 @@ def test_engine_generates_the_dense_models_tokens(name, prefix_caching):
     model = tiny(name)
     # A pool small enough that the run preempts; a token budget that chunks the prefills.
     eng = Engine(model, num_blocks=PARITY_BLOCKS[name, prefix_caching], block_size=8, max_requests=4, max_model_len=MAX_LEN,
-                 token_budget=32, impl="reference", prefix_caching=prefix_caching)
+                 token_budget=32, impl="reference", prefix_caching=prefix_caching,
+                 policy=POLICY.get((name, prefix_caching), "vllm"))
     prompts = workload()
     ids = [eng.add_request(p, 6) for p in prompts]
     eng.step()
@@ -83,15 +87,19 @@ def test_engine_logits_match_the_dense_model():
 def test_mamba_state_blocks_hold_the_dense_states_and_serve_hits():
     """Every Mamba table entry holds the dense model's state after the tokens it stands for (the state
     after ``(i + 1) * block_size`` tokens once full), also when a chunk starts inside a block; a later
-    request hits the cached state and its logits equal the dense model's."""
+    request hits the cached state and its logits equal the dense model's. Each state spans 2 pages."""
     model = tiny("tiny-jamba")
-    eng = Engine(model, num_blocks=PARITY_BLOCKS["tiny-jamba", True], block_size=8, max_requests=4,
-                 max_model_len=MAX_LEN, token_budget=32, impl="reference")  # the parity test's compile
+    key = "tiny-jamba", True
+    eng = Engine(model, num_blocks=PARITY_BLOCKS[key], block_size=8, max_requests=4, max_model_len=MAX_LEN,
+                 token_budget=32, impl="reference", policy=POLICY[key])  # the parity test's compile
     bs = eng.layout.block_size
+    k = {len(p) for p in eng.layout.parts if eng.layout.is_mamba(p[0])}
+    assert k == {2}
     prompts = workload()
     rid = eng.add_request(prompts[0], 12)
-    eng.requests[rid].max_chunk = 20  # chunks 0..20, then 20..32 (stopped at the block boundary), ...
-    mamba = [(g, grp.layer_names[0]) for g, grp in enumerate(eng.layout.groups) if eng.layout.is_mamba(g)]
+    eng.requests[rid].max_chunk = 20  # chunks 0..20, then 20..24 (stopped at the block boundary), ...
+    mamba = [(g, eng.config.groups[g].layer_names[0]) for g, p in enumerate(eng.layout.parts)
+             if eng.layout.is_mamba(p[0])]
     dense_states = jax.jit(model.dense_states)
     dense = {}
     checked, ends = 0, []
@@ -103,25 +111,29 @@ def test_mamba_state_blocks_hold_the_dense_states_and_serve_hits():
         ends.append(r.computed)
         toks = r.prompt + r.generated
         alloc = eng.state.alloc
+        tables = eng.layout.config_tables(np.asarray(alloc.tables[r.slot]))
         for g, layer in mamba:
-            row, length = np.asarray(alloc.tables[r.slot, g]), int(alloc.table_len[r.slot, g])
-            for i in np.nonzero(row[:length])[0]:
+            length = int(alloc.table_len[r.slot, eng.layout.parts[g][0]])
+            entries = tables[g].reshape(-1, 2)[:length]              # the 2 pages of each state
+            for i in np.nonzero(entries[:, 0])[0]:
+                assert entries[i].all() and entries[i, 0] != entries[i, 1]
                 n = min((i + 1) * bs, r.computed)
                 if n not in dense:
                     dense[n] = dense_states(jnp.asarray(toks + [0] * (MAX_LEN - len(toks))), n)
-                got = read_mamba_state(eng.state.cache, layer, jnp.asarray([[row[i]]]))
+                got = read_mamba_state(eng.state.cache, layer, jnp.asarray(entries[i:i + 1]))
                 for a, b in zip(got, dense[n][layer]):
                     np.testing.assert_allclose(np.asarray(a[0]), np.asarray(b), atol=1e-4, rtol=1e-4)
                 checked += 1
-    assert ends[:3] == [20, 32, 45] and checked > 20
-    # A second request shares the first 40 tokens: it hits the state cached after 32 of them.
+    assert bs == 8 and ends[:3] == [20, 24, 44] and checked > 20
+    # A second request shares the first 40 tokens: it hits the state cached after 24 of them (the last
+    # chunk that ended on a block boundary within them).
     prompt = prompts[0][:40] + prompts[1][40:]
     second = eng.add_request(prompt, 3)
     logits = []
     while eng.has_work:
         if eng.step():
             logits.append(np.asarray(eng.last_output.logits[0]))
-    assert eng.requests[second].cache_hit == 32
+    assert eng.requests[second].cache_hit == 24
     _, want = dense_greedy(model, prompt, 3)
     np.testing.assert_allclose(np.stack(logits), np.stack(want), atol=1e-4, rtol=1e-4)
 

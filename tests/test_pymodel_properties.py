@@ -17,6 +17,7 @@ from hkv_jax.allocator.kv_cache_manager import KVCacheManager
 from hkv_jax.allocator.pool import queue_order
 from hkv_jax.allocator.pymodel import NULL, RUNNING, WAITING, PyAllocator
 from hkv_jax.planner import plan
+from hkv_jax.spec import FullAttentionSpec, MambaSpec
 from conftest import HYBRID_MODELS
 
 settings.register_profile("ci", max_examples=1000, stateful_step_count=25, deadline=None,
@@ -27,7 +28,10 @@ settings.load_profile(os.environ.get("HKV_HYPOTHESIS_PROFILE", "ci"))
 
 BS = 4
 MAX_REQUESTS = 6
-MODELS = HYBRID_MODELS
+# A Mamba state of 384 bytes spans three 128-byte pages under the min-waste planner.
+MODELS = {**HYBRID_MODELS, "mamba-span": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
+                                          MambaSpec(name="m", shapes=[[2, 48]], dtypes=["float32"])]}
+POLICY = {"mamba-span": "min-waste"}
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -41,7 +45,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(model=st.sampled_from(sorted(MODELS)))
     def setup(self, model):
         # One pool size per model, so that the jitted operations compile once per model.
-        cfg = plan(MODELS[model], block_size=BS, policy="vllm", num_blocks=10)
+        cfg = plan(MODELS[model], block_size=BS, policy=POLICY.get(model, "vllm"), num_blocks=10)
         self.alloc = PyAllocator(cfg, max_model_len=48)
         self.jax = KVCacheManager(cfg, max_model_len=48, max_requests=MAX_REQUESTS)
 

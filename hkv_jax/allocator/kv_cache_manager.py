@@ -16,7 +16,7 @@ import numpy as np
 
 from hkv_jax.allocator import ops
 from hkv_jax.allocator.state import AllocatorState, Layout, init_state
-from hkv_jax.planner import KVCacheConfig
+from hkv_jax.planner import KVCacheConfig, merge_parts
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,8 +108,9 @@ class KVCacheManager:
         res: dict[str, Any] = {"num_computed_tokens_before": before}
         if was_waiting:
             h = int(r.cache_hit_tokens)
+            hits = [list(map(int, row[: h // self.layout.block_size])) for row in r.hit_blocks]
             res.update(cache_hit_tokens=h, shared_prefix_boundary=int(r.shared_prefix_boundary),
-                       hit_block_ids=[list(map(int, row[: h // self.layout.block_size])) for row in r.hit_blocks])
+                       hit_block_ids=merge_parts(self.layout.parts, hits))
         res["num_new_tokens"] = int(r.num_new_tokens)
         if int(r.num_new_tokens) <= 0:
             raise ValueError(f"nothing to schedule for request {rid!r}")
@@ -117,9 +118,10 @@ class KVCacheManager:
         if not r.ok:
             return res
         tables, lens = jax.device_get((self.state.tables[slot], self.state.table_len[slot]))
-        res["new_block_ids"] = [list(map(int, t[f:n])) for t, f, n in zip(tables, r.first_new, lens)]
+        parts = self.layout.parts
+        res["new_block_ids"] = merge_parts(parts, [list(map(int, t[f:n])) for t, f, n in zip(tables, r.first_new, lens)])
         res["num_computed_tokens"] = int(self.state.num_computed[slot])
-        res["block_table"] = [list(map(int, t[:n])) for t, n in zip(tables, lens)]
+        res["block_table"] = merge_parts(parts, [list(map(int, t[:n])) for t, n in zip(tables, lens)])
         if res["num_computed_tokens"] >= int(self.state.num_tokens[slot]) and output_token is not None:
             self.append_token(rid, output_token)
             res["sampled_tokens"] = [int(output_token)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
-from hkv_jax.planner import KVCacheConfig, cdiv
+from hkv_jax.planner import KVCacheConfig, cdiv, merge_parts
 from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 NULL = 0
@@ -66,7 +66,9 @@ class PyAllocator:
     def __init__(self, cfg: KVCacheConfig, max_model_len: int):
         self.cfg = cfg
         self.max_model_len = max_model_len
-        self.groups = cfg.groups
+        # A Mamba state spanning k pages is k groups of one page (KVCacheConfig.allocator_groups);
+        # results list each state's pages together (merge_parts).
+        self.groups, self.parts = cfg.allocator_groups()
         n = cfg.num_blocks
         self.ref = [0] * n
         self.hash: list[Hashable | None] = [None] * n  # (block hash, group id) the block is cached under
@@ -347,7 +349,8 @@ class PyAllocator:
         hits, h = None, 0
         if r.status == WAITING:
             hits, h, boundary = self.lookup(rid)
-            res.update(cache_hit_tokens=h, shared_prefix_boundary=boundary, hit_block_ids=[list(b) for b in hits])
+            res.update(cache_hit_tokens=h, shared_prefix_boundary=boundary,
+                       hit_block_ids=merge_parts(self.parts, hits))
         remaining = len(r.tokens) - r.num_computed - h
         n = remaining if num_tokens == "all" else min(int(num_tokens), remaining)
         res["num_new_tokens"] = n
@@ -359,9 +362,9 @@ class PyAllocator:
             return res
         r.status = RUNNING
         r.num_computed += h + n
-        res["new_block_ids"] = new_ids
+        res["new_block_ids"] = merge_parts(self.parts, new_ids)
         res["num_computed_tokens"] = r.num_computed
-        res["block_table"] = [list(t) for t in r.tables]
+        res["block_table"] = merge_parts(self.parts, r.tables)
         if r.num_computed >= len(r.tokens) and output_token is not None:
             r.tokens.append(int(output_token))
             res["sampled_tokens"] = [int(output_token)]

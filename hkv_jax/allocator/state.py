@@ -1,8 +1,9 @@
 """``AllocatorState``: everything the allocator knows, as one pytree of fixed-shape arrays.
 
-Shapes are fixed by a ``Layout`` (static): ``R`` request slots, ``G`` KV cache
-groups, ``M`` table entries per request and group, ``N`` blocks, ``T`` tokens
-per request (``max_model_len``), ``H = T // block_size`` block hashes.
+Shapes are fixed by a ``Layout`` (static): ``R`` request slots, ``G`` allocator
+groups (the KV cache groups, a Mamba group whose state spans ``k`` pages
+counted ``k`` times), ``M`` table entries per request and group, ``N`` blocks,
+``T`` tokens per request (``max_model_len``), ``H = T // block_size`` block hashes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ EMPTY, WAITING, RUNNING = 0, 1, 2
 class Layout:
     """Static shapes and per-group rules of one allocator (hashable: usable as a jit static argument)."""
 
-    groups: tuple  # tuple[KVCacheGroup, ...]
+    groups: tuple  # tuple[KVCacheGroup, ...]: the allocator groups (KVCacheConfig.allocator_groups)
+    parts: tuple[tuple[int, ...], ...]  # the allocator groups of each KV cache group
     num_blocks: int
     block_size: int
     max_model_len: int
@@ -43,36 +45,48 @@ class Layout:
         sizes = {g.block_size for g in cfg.groups}
         if len(sizes) != 1:
             raise ValueError(f"the jitted allocator needs one block size for all groups, got {sorted(sizes)}")
-        if any(g.blocks_per_state != 1 for g in cfg.groups):
-            raise ValueError("the jitted allocator does not yet support Mamba states spanning several blocks")
         if max_requests < 1 or max_model_len < 1:
             raise ValueError("max_requests and max_model_len must be positive")
+        groups, parts = cfg.allocator_groups()
         spec_groups: list[list[int]] = []
-        for g in cfg.groups:
+        for g in groups:
             for sg in spec_groups:
-                if cfg.groups[sg[0]].spec == g.spec:
+                if groups[sg[0]].spec == g.spec:
                     sg.append(g.group_id)
                     break
             else:
                 spec_groups.append([g.group_id])
-        spec_groups.sort(key=lambda sg: not isinstance(cfg.groups[sg[0]].spec, FullAttentionSpec))
+        spec_groups.sort(key=lambda sg: not isinstance(groups[sg[0]].spec, FullAttentionSpec))
         bs = sizes.pop()
         return Layout(
-            groups=cfg.groups,
+            groups=groups,
+            parts=parts,
             num_blocks=cfg.num_blocks,
             block_size=bs,
             max_model_len=max_model_len,
             max_requests=max_requests,
             max_blocks=cdiv(max_model_len, bs) + 1,
             spec_groups=tuple(tuple(sg) for sg in spec_groups),
-            simple_hybrid=len(spec_groups) == 2 and isinstance(cfg.groups[spec_groups[0][0]].spec, FullAttentionSpec),
+            simple_hybrid=len(spec_groups) == 2 and isinstance(groups[spec_groups[0][0]].spec, FullAttentionSpec),
             window_aware_eviction=window_aware_eviction,
         )
 
     @property
     def num_groups(self) -> int:
-        """G."""
+        """G: allocator groups (a Mamba group whose state spans k pages counts k times)."""
         return len(self.groups)
+
+    def config_tables(self, tables):
+        """Per-KV-cache-group tables ``[..., M * k]`` from ``tables: [..., G, M]`` (numpy or jax).
+
+        A spanning Mamba group's table lists each entry's ``k`` pages in part
+        order (``merge_parts``); other groups' tables are their rows as they are.
+        """
+        out = []
+        for p in self.parts:
+            t = tables[..., list(p), :]                         # [..., k, M]
+            out.append(t.swapaxes(-1, -2).reshape(*t.shape[:-2], -1))
+        return out
 
     def is_mamba(self, g: int) -> bool:
         """Whether group ``g`` holds Mamba states."""

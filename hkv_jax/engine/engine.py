@@ -364,6 +364,6 @@ class Engine:
 
     def blocks_in_use(self) -> list[int]:
         """Blocks held per KV cache group (distinct non-null table entries of live requests)."""
-        tables = np.asarray(self.state.alloc.tables)            # [R, G, M]
         live = [r.slot for r in self.requests.values() if r.slot >= 0]
-        return [len(set(tables[live, g].ravel()) - {0}) for g in range(self.layout.num_groups)]
+        tables = self.layout.config_tables(np.asarray(self.state.alloc.tables)[live])  # per group [live, M * k]
+        return [len(set(t.ravel()) - {0}) for t in tables]

@@ -143,7 +143,7 @@ def step(static: StepStatic, params: nnx.State, state: EngineState, plan: StepPl
     slot_of = jnp.maximum(plan.slots, 0)
     tokens = jnp.where(valid, alloc.tokens[slot_of[seq], jnp.minimum(pos, layout.max_model_len - 1)], 0)
     tables = alloc.tables[slot_of]                                          # [R, G, M]
-    metadata = make_metadata(state.cache, [tables[:, g] for g in range(layout.num_groups)],
+    metadata = make_metadata(state.cache, layout.config_tables(tables),
                              qsl, seq_lens, budget)
     model = nnx.merge(static.graphdef, params)
     logits, cache = model.paged(tokens, jnp.where(valid, pos, 0), state.cache, metadata, static.impl)
