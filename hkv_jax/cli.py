@@ -46,7 +46,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_replay(args: argparse.Namespace) -> int:
     from hkv_jax.allocator.replay import replay_file
 
-    result = replay_file(args.trace, args.output, policy=args.policy, engine=args.engine)
+    result = replay_file(args.trace, args.output, policy=args.policy, engine=args.engine,
+                         window_aware_eviction=args.window_aware_eviction)
     events = result["events"]
     failed = sum(1 for e in events if e.get("ok") is False)
     hits = sum(e.get("cache_hit_tokens", 0) for e in events)
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--policy", choices=POLICIES, default="vllm", help="planner policy (default vllm: the conformance mode)")
     r.add_argument("--engine", choices=("jax", "model"), default="jax",
                    help="jax: the jitted allocator (default); model: the plain-Python statement of the rules")
+    r.add_argument("--window-aware-eviction", action="store_true",
+                   help="our eviction order, not vLLM's (jax engine only; block ids then differ from vLLM's)")
     r.set_defaults(func=_cmd_replay)
     d = sub.add_parser("demo", help="serve a synthetic multi-turn chat on a tiny hybrid model and report")
     d.add_argument("--model", default="tiny-gemma3", help="tiny-gemma3 (default), tiny-gptoss, tiny-llama4 or tiny-jamba")

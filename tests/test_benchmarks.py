@@ -19,3 +19,15 @@ def test_attention_benchmark_smoke_checks_and_times_every_implementation():
     rows = json.loads(proc.stdout[proc.stdout.index("["):])
     assert {r["impl"] for r in rows} == {"ours", "triton", "xla", "mosaic_gpu", "jax"}
     assert all(r["time_us"] > 0 and r["bytes"] > 0 for r in rows)
+
+
+def test_window_eviction_benchmark_reaches_the_ideal_hits_in_an_ample_pool():
+    # A pool that evicts nothing: both eviction orders serve every block computed before.
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/window_eviction.py"), "--conversations", "3",
+                           "--turns", "2", "--answer", "16", "--question", "8", "--window", "16",
+                           "--block-size", "4", "--num-blocks", "200", "--seeds", "0", "--concurrency", "2",
+                           "--system-prompt", "8", "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)
+    assert [r["window_aware"] for r in rows] == [False, True]
+    assert all(r["hit_tokens"] > 0 and r["hit_of_ideal"] == 1.0 for r in rows)

@@ -22,18 +22,28 @@ def trace_config(trace: dict[str, Any], policy: str = "vllm"):
     return plan(layers_from_trace(trace), block_size=trace["block_size"], policy=policy, num_blocks=trace["num_blocks"])
 
 
-def run_trace(trace: dict[str, Any], policy: str = "vllm", engine: str = "jax") -> dict[str, Any]:
+def run_trace(trace: dict[str, Any], policy: str = "vllm", engine: str = "jax",
+              window_aware_eviction: bool = False) -> dict[str, Any]:
     """Replay every event of ``trace``; returns the result object of trace-format section 3.
 
     ``engine``: ``jax`` (the jitted allocator, ``KVCacheManager``) or ``model``
     (the plain-Python statement of the rules, ``PyAllocator``).
+    ``window_aware_eviction``: our eviction order (``KVCacheManager``; jax engine only).
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if window_aware_eviction and engine != "jax":
+        raise ValueError("window-aware eviction is implemented by the jax engine only")
     cfg = trace_config(trace, policy)
     if engine == "jax":
-        num_requests = sum(1 for evs in trace["steps"] for ev in evs if ev.get("op") == "add")
-        alloc = KVCacheManager(cfg, trace["max_model_len"], max_requests=max(1, num_requests))
+        # At most as many request slots as requests alive at once (each slot count compiles anew).
+        live = peak = 0
+        for evs in trace["steps"]:
+            for ev in evs:
+                live += {"add": 1, "free": -1}.get(ev.get("op"), 0)
+                peak = max(peak, live)
+        alloc = KVCacheManager(cfg, trace["max_model_len"], max_requests=max(1, peak),
+                               window_aware_eviction=window_aware_eviction)
     else:
         alloc = PyAllocator(cfg, trace["max_model_len"])
     events = []
@@ -84,14 +94,15 @@ def run_trace(trace: dict[str, Any], policy: str = "vllm", engine: str = "jax") 
     }
 
 
-def replay_file(path: str, out: str | None, policy: str = "vllm", engine: str = "jax") -> dict[str, Any]:
-    """Replay the trace at ``path``; write the result to ``out`` when given."""
+def replay_file(path: str, out: str | None, policy: str = "vllm", engine: str = "jax",
+                window_aware_eviction: bool = False) -> dict[str, Any]:
+    """Replay the trace at ``path`` (``run_trace``' options); write the result to ``out`` when given."""
     try:
         with open(path) as f:
             trace = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
-    result = run_trace(trace, policy, engine)
+    result = run_trace(trace, policy, engine, window_aware_eviction)
     if out:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
