@@ -33,7 +33,7 @@ def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned):
     assert len(running) >= 2
     run = jnp.asarray(running, jnp.int32)
     append = jax.jit(ops.append_batch, static_argnums=0)
-    decode = jax.jit(ops.decode_step, static_argnums=0)
+    decode = jax.jit(ops.decode_step, static_argnums=0, static_argnames="fallback")
     paths = set()
     for _ in range(12):
         st = append(layout, st, run, jnp.asarray(rng.integers(1, 4, len(running)), jnp.int32))
@@ -42,6 +42,11 @@ def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned):
         b, ok_b, _, _ = sched(layout, st, run, jnp.ones(len(running), jnp.int32))
         assert np.asarray(ok_a).tolist() == np.asarray(ok_b).tolist()
         assert semantic(a, layout) == semantic(b, layout)
+        if num_blocks == 40:  # without the fallback in the program: path 3 applies nothing
+            c, ok_c, path_c = decode(layout, st, run, fallback=False)
+            want, want_ok = (st, [False] * len(running)) if int(path) == 3 else (b, np.asarray(ok_b).tolist())
+            assert int(path_c) == int(path) and np.asarray(ok_c).tolist() == want_ok
+            assert semantic(c, layout) == semantic(want, layout)
         st = b
         if not np.asarray(ok_b).all():
             break
@@ -49,3 +54,4 @@ def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned):
     # in most steps; a window group's first decode step releases several blocks per call.
     assert 1 in paths and (0 in paths or not aligned)
     assert 2 in paths or model == "mamba" or num_blocks == 40
+    assert 3 in paths or num_blocks != 40  # the small pool reaches the fallback

@@ -13,7 +13,7 @@ from conftest import HYBRID_MODELS, semantic
 B, BS, T = 4, 4, 64
 add = jax.jit(ops.add_batch, static_argnums=0)
 sched = jax.jit(ops.schedule_batch, static_argnums=0)
-prefill = jax.jit(ops.prefill_batch, static_argnums=0)
+prefill = jax.jit(ops.prefill_batch, static_argnums=0, static_argnames="fallback")
 free = jax.jit(ops.free, static_argnums=0)
 new_step = jax.jit(ops.new_step, static_argnums=0)
 
@@ -44,6 +44,11 @@ def test_prefill_batch_equals_sequential_schedules(model):
         assert np.asarray(n_a).tolist() == np.asarray(n_b).tolist()
         assert np.asarray(h_a).tolist() == np.asarray(h_b).tolist()
         assert semantic(a, layout) == semantic(b, layout)
+        # Without the fallback in the program, a batch it cannot vectorise applies nothing.
+        c, ok_c, _, _, fast_c = prefill(layout, st, slots, want, fallback=False)
+        assert bool(fast_c) == bool(fast)
+        want_state, want_ok = (a, np.asarray(ok_a).tolist()) if fast else (st, [False] * len(slots))
+        assert semantic(c, layout) == semantic(want_state, layout) and np.asarray(ok_c).tolist() == want_ok
         runs.append(bool(fast))
         return new_step(layout, b)  # each batch in a scheduler step of its own (Mamba hits need it)
 

@@ -329,7 +329,7 @@ def schedule_batch(layout: Layout, state: AllocatorState, slots, num_tokens):
     return state, ok, n, h
 
 
-def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens):
+def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fallback: bool = True):
     """``schedule_batch`` for waiting requests (first schedule: prefix lookup + allocation + caching),
     vectorised over the batch: one lookup for every request, one pop for every new block, one
     batched cache insert.
@@ -338,7 +338,9 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens):
     ``schedule_batch`` when the requests are independent: every hit block is held by some
     request (no hit takes a block out of the free queue), no two requests of the batch share a
     block they compute (one would hit the other's block), every request gets its blocks, and no
-    popped block's key has duplicates. Otherwise it falls back to ``schedule_batch``.
+    popped block's key has duplicates. Otherwise it falls back to ``schedule_batch``; with
+    ``fallback`` (static) False it applies nothing instead (state unchanged, ``ok`` all False; the
+    caller runs ``schedule_batch``), which keeps the program small (see ``decode_step``).
     Returns (state, ok ``bool[B]``, new tokens ``i32[B]``, cache-hit tokens ``i32[B]``, whether
     the vectorised path ran).
     """
@@ -423,6 +425,8 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens):
         return st, (jnp.ones(B, bool), n, h)
 
     def sequential(state: AllocatorState):
+        if not fallback:
+            return state, (jnp.zeros(B, bool), jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32))
         st, ok, n_, h_ = schedule_batch(layout, state, slots, num_tokens)
         return st, (ok, n_, h_)
 
@@ -506,7 +510,7 @@ class _DecodePlan(NamedTuple):
     keys: jax.Array       # u32[B, G, 4]: its block hash
 
 
-def decode_step(layout: Layout, state: AllocatorState, slots):
+def decode_step(layout: Layout, state: AllocatorState, slots, fallback: bool = True):
     """Every request in ``slots`` (distinct, running) allocates slots for one more token: one vectorised program.
 
     Same state and results as ``schedule_batch(slots, 1)``, computed for all requests at once with
@@ -521,6 +525,11 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
     state in place.
     Returns (state, ok ``bool[B]``, the path taken ``i32[]``: 0 = only counted the token, 1 = vectorised,
     2 = vectorised with free calls releasing several blocks, 3 = sequential fallback).
+
+    ``fallback`` (static) False leaves the fallback out of the program: path 3 then applies nothing
+    (the state comes back unchanged, ``ok`` all False) and the caller runs ``schedule_batch(layout,
+    state, slots, 1)`` itself. The program is much smaller, and on CPU a call's fixed cost grows with
+    the program even where a branch never runs: the idle step takes half the time or less.
     """
     bs, G, M = layout.block_size, layout.num_groups, layout.max_blocks
     B = slots.shape[0]
@@ -682,6 +691,8 @@ def decode_step(layout: Layout, state: AllocatorState, slots):
         return vectorised(state, plan, rel, rows_after)
 
     def sequential(state: AllocatorState):
+        if not fallback:
+            return state, jnp.zeros(B, bool)
         st, ok, _, _ = schedule_batch(layout, state, slots, jnp.ones(B, jnp.int32))
         return st, ok
 
