@@ -14,7 +14,7 @@ B, BS, T = 6, 4, 64
 MODELS = HYBRID_MODELS
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", ["three", "mamba"])  # "sw+full" is a part of "three"
 @pytest.mark.parametrize("num_blocks,aligned", [(40, False), (200, False), (200, True)])
 def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned):
     cfg = plan(MODELS[model], block_size=BS, policy="vllm", num_blocks=num_blocks)
@@ -34,19 +34,18 @@ def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned):
     run = jnp.asarray(running, jnp.int32)
     append = jax.jit(ops.append_batch, static_argnums=0)
     decode = jax.jit(ops.decode_step, static_argnums=0, static_argnames="fallback")
+    # The fallback inside the program (the default) once; elsewhere the smaller program without it,
+    # where path 3 applies nothing and the caller runs schedule_batch.
+    fallback = model == "three" and num_blocks == 40
     paths = set()
     for _ in range(12):
         st = append(layout, st, run, jnp.asarray(rng.integers(1, 4, len(running)), jnp.int32))
-        a, ok_a, path = decode(layout, st, run)
+        a, ok_a, path = decode(layout, st, run, fallback=fallback)
         paths.add(int(path))
         b, ok_b, _, _ = sched(layout, st, run, jnp.ones(len(running), jnp.int32))
-        assert np.asarray(ok_a).tolist() == np.asarray(ok_b).tolist()
-        assert semantic(a, layout) == semantic(b, layout)
-        if num_blocks == 40:  # without the fallback in the program: path 3 applies nothing
-            c, ok_c, path_c = decode(layout, st, run, fallback=False)
-            want, want_ok = (st, [False] * len(running)) if int(path) == 3 else (b, np.asarray(ok_b).tolist())
-            assert int(path_c) == int(path) and np.asarray(ok_c).tolist() == want_ok
-            assert semantic(c, layout) == semantic(want, layout)
+        want, want_ok = (st, [False] * len(running)) if int(path) == 3 and not fallback else (b, ok_b)
+        assert np.asarray(ok_a).tolist() == np.asarray(want_ok).tolist()
+        assert semantic(a, layout) == semantic(want, layout)
         st = b
         if not np.asarray(ok_b).all():
             break
