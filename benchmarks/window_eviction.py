@@ -9,7 +9,7 @@ and with window-aware eviction, and the script prints the hit rate of each: cach
 prompt tokens, and over the tokens a perfect cache could have served (the full blocks of the history
 that earlier requests computed).
 ``--system-prompt N`` starts every chat with the same N tokens (a prefix shared across chats).
-Run: ``python benchmarks/window_eviction.py [--num-blocks 300,400] [--seeds 0,1,2] [--json]``.
+Run: ``python benchmarks/window_eviction.py [--num-blocks 700,900] [--seeds 0,1,2] [--json]``.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def hit_rates(trace: dict, result: dict) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--num-blocks", default="300,400", help="pool sizes (null block included), comma-separated")
+    ap.add_argument("--num-blocks", default="700,900",
+                    help="pool sizes (null block included), comma-separated; the defaults hold every running turn")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=4)
