@@ -127,6 +127,9 @@ def test_a_spanning_mamba_state_takes_its_pages_together():
     assert r["cache_hit_tokens"] == 8
     hit = np.reshape(r["hit_block_ids"][1], (-1, 3))
     assert (hit[1] > 0).all() and len(set(hit[1])) == 3  # the cached state, all three pages
+    # Per-group tables of no request at all (the engine's report once every request is done).
+    M = jx.layout.max_blocks
+    assert [t.shape for t in jx.layout.config_tables(np.zeros((0, 4, M)))] == [(0, M), (0, 3 * M)]
 
 
 @pytest.mark.parametrize("aware", [False, True])

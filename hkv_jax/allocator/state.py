@@ -85,7 +85,7 @@ class Layout:
         out = []
         for p in self.parts:
             t = tables[..., list(p), :]                         # [..., k, M]
-            out.append(t.swapaxes(-1, -2).reshape(*t.shape[:-2], -1))
+            out.append(t.swapaxes(-1, -2).reshape(*t.shape[:-2], t.shape[-2] * t.shape[-1]))  # also 0 rows
         return out
 
     def is_mamba(self, g: int) -> bool:
