@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from hkv_jax.allocator import ops
+from hkv_jax.allocator.hashing import np_block_hashes
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.planner import plan
 from conftest import HYBRID_MODELS, semantic
@@ -75,3 +76,24 @@ def test_prefill_batch_equals_sequential_schedules(model):
     st = admit(layout, st, range(B, 2 * B), rng, other, 1000)
     check(st, range(B, 2 * B), [-1] * B)
     assert runs[-1] is False
+
+
+@pytest.mark.parametrize("batch,max_hit", [(8, 3), (12, 11)])  # <= 8 hit lengths: sorted; more: all pairs
+def test_shared_computed_blocks_are_found(batch, max_hit):
+    """``_computes_shared_block`` equals the definition: two requests agree at the larger hit length."""
+    rng = np.random.default_rng(batch)
+    check = jax.jit(ops._computes_shared_block)
+    seen, lengths = set(), set()
+    for _ in range(30):
+        toks = rng.integers(1, 3, (batch, 12 * BS))  # two tokens: many shared prefixes
+        hashes = np.stack([np_block_hashes(t.tolist(), BS) for t in toks])
+        nhit = rng.integers(0, max_hit + 1, batch)
+        nfull = np.minimum(nhit + rng.integers(0, 4, batch), 12)
+        want = any(max(nhit[i], nhit[j]) < min(nfull[i], nfull[j])
+                   and (hashes[i, max(nhit[i], nhit[j])] == hashes[j, max(nhit[i], nhit[j])]).all()
+                   for i in range(batch) for j in range(i))
+        got = check(jnp.asarray(hashes), jnp.asarray(nhit, jnp.int32), jnp.asarray(nfull, jnp.int32))
+        assert bool(got) == want
+        seen.add(want)
+        lengths.add(len(set(nhit[nhit < nfull])) > ops._SORTED_HIT_LENGTHS)
+    assert seen == {True, False} and lengths == ({False} if max_hit < 8 else {True, False})

@@ -329,6 +329,47 @@ def schedule_batch(layout: Layout, state: AllocatorState, slots, num_tokens):
     return state, ok, n, h
 
 
+# Distinct hit lengths up to which ``_computes_shared_block`` sorts; past them it compares all pairs.
+_SORTED_HIT_LENGTHS = 8
+
+
+def _computes_shared_block(hashes: jax.Array, nhit: jax.Array, nfull: jax.Array) -> jax.Array:
+    """Whether two requests of a prefill compute a block with the same hash (the later one would hit the
+    earlier one's). ``hashes: u32[B, H, 4]`` their block hashes; request ``i`` computes (and caches)
+    blocks ``nhit[i]`` to ``nfull[i] - 1``.
+
+    Requests ``i`` and ``j`` share a computed block iff their hashes agree at ``max(nhit_i, nhit_j)``
+    (hashes chain: agreeing at a block means agreeing at every block before it). All ``B * B`` pairs
+    are only compared when a cheap test finds a candidate: for each distinct hit length ``v`` (at most
+    ``_SORTED_HIT_LENGTHS`` of them: no hits, or a shared prefix, the usual batch), one sort of the
+    31-bit prefixes of the hashes at ``v`` of the requests computing block ``v``; no two equal means
+    no shared block.
+    """
+    B, H = hashes.shape[:2]
+    big = jnp.iinfo(jnp.int32).max
+    lengths = jnp.sort(jnp.where(nhit < nfull, nhit, big))
+    distinct = jnp.sum((lengths < big) & jnp.concatenate([jnp.ones(1, bool), lengths[1:] != lengths[:-1]]))
+
+    def equal_prefixes_at(v):
+        computes = (nhit <= v) & (v < nfull)
+        # A one-operand sort: several times cheaper on CPU than sorting whole keys.
+        none = jnp.uint32(0xFFFFFFFF)  # above every 31-bit prefix
+        srt = jnp.sort(jnp.where(computes, hashes[:, jnp.minimum(v, H - 1), 0] >> 1, none))
+        return jnp.any((srt[1:] == srt[:-1]) & (srt[1:] != none))
+
+    def all_pairs():
+        m = jnp.maximum(nhit[:, None], nhit[None, :])                       # [B, B]
+        hm = hashes[jnp.arange(B)[:, None], jnp.minimum(m, H - 1)]           # [B, B, 4]: request i at m_ij
+        same = jnp.all(hm == jnp.swapaxes(hm, 0, 1), axis=-1) & (m < nfull[:, None]) & (m < nfull[None, :])
+        return jnp.any(same & ~jnp.eye(B, dtype=bool))
+
+    candidate = jax.lax.cond(
+        distinct <= _SORTED_HIT_LENGTHS,
+        lambda: jnp.any(jax.vmap(equal_prefixes_at)(jnp.unique(lengths, size=_SORTED_HIT_LENGTHS, fill_value=big))),
+        lambda: jnp.bool_(True))
+    return jax.lax.cond(candidate, all_pairs, lambda: jnp.bool_(False))
+
+
 def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fallback: bool = True):
     """``schedule_batch`` for waiting requests (first schedule: prefix lookup + allocation + caching),
     vectorised over the batch: one lookup for every request, one pop for every new block, one
@@ -375,10 +416,7 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
 
     pool, cache = state.bp.pool, state.bp.cache
     held = pool.ref_count[rows] > 0
-    # Two requests computing a block with the same hash: the later one would hit the earlier one's.
-    m = jnp.maximum(nhit[:, None], nhit[None, :])                           # [B, B]
-    hm = state.hashes[slots[:, None], jnp.minimum(m, H - 1)]                  # [B, B, 4]: request i at m_ij
-    shared = jnp.all(hm == jnp.swapaxes(hm, 0, 1), axis=-1) & (m < nfull[:, None]) & (m < nfull[None, :])
+    hashes = state.hashes[slots]                                              # [B, H, 4]
     mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
     last_hit = jnp.take_along_axis(rows, jnp.maximum(nhit - 1, 0)[:, None, None], axis=2)[:, :, 0]  # [B, G]
     key_slot = cache.block_slot[last_hit]
@@ -387,7 +425,7 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     pop = P.pop_plan(pool, total, max_new)
     fast = (
         jnp.all(state.status[slots] == WAITING) & jnp.all(state.table_len[slots] == 0) & jnp.all(n > 0)
-        & jnp.all(held | (rows == 0)) & ~jnp.any(shared & ~jnp.eye(B, dtype=bool)) & ~jnp.any(stale)
+        & jnp.all(held | (rows == 0)) & ~_computes_shared_block(hashes, nhit, nfull) & ~jnp.any(stale)
         & (total <= pool.num_free) & pop.enough & ~jnp.any(BP.pc.needs_promotion(cache, pop.ids))
     )
     # New blocks in request, group, table order: entry j of (b, g) takes ids[offset + j - first].
@@ -396,7 +434,7 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     fresh = (k >= 0) & (k < cnt[:, :, None])
     rows = jnp.where(fresh, pop.ids[jnp.clip(offset[:, :, None] + k, 0, max_new - 1)], rows)
     new_cached = (idx[None, None] >= nhit[:, None, None]) & (idx[None, None] < nfull[:, None, None]) & (rows > 0)
-    keys = state.hashes[slots][:, jnp.minimum(idx, H - 1)]                     # [B, M, 4]
+    keys = hashes[:, jnp.minimum(idx, H - 1)]                                 # [B, M, 4]
     keys = jnp.broadcast_to(keys[:, None], (B, G, M, 4))
     groups = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32)[None, :, None], (B, G, M))
 
