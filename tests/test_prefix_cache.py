@@ -128,3 +128,29 @@ def test_batched_inserts_and_evictions_equal_one_by_one(batches, slots, rnd, cla
     for blk in order:
         a, b = evict(a, jnp.int32(blk)), evict(b, jnp.int32(blk))
         assert np.asarray(lookup(a, all_keys, all_groups)).tolist() == np.asarray(lookup(b, all_keys, all_groups)).tolist()
+
+
+def test_a_large_batch_insert_equals_one_by_one_inserts():
+    """4096 keys (the rounds narrow to 512 and then 64 lanes), half of them twice in the batch, some
+    already cached, a few null blocks: same lookups and cached blocks as one insert at a time, and the
+    same duplicate order (the same lookups again after evicting a random half)."""
+    rng = np.random.default_rng(0)
+    num_blocks, k = 6000, 4096
+    pool = rng.integers(0, 2**32, (k // 2, 4), dtype=np.uint32)
+    keys = jnp.asarray(pool[rng.integers(0, len(pool), k)])
+    groups = jnp.asarray(rng.integers(0, 2, k), jnp.int32)
+    ids = rng.permutation(np.arange(1, num_blocks))
+    blocks = jnp.asarray(np.where(rng.random(k) < 0.02, 0, ids[:k]), jnp.int32)
+    early = jnp.asarray(ids[k:k + 300], jnp.int32)  # cached before the batch, under keys of the batch
+
+    def one_by_one(cache, blocks, keys, groups):
+        return jax.lax.fori_loop(0, blocks.shape[0], lambda i, c: pc.insert(c, blocks[i], keys[i], groups[i]), cache)
+
+    start = jax.jit(one_by_one)(pc.init_prefix_cache(num_blocks), early, keys[:300], groups[:300])
+    a = insert_many(start, blocks, keys, groups, claims="table")
+    b = jax.jit(one_by_one)(start, blocks, keys, groups)
+    gone = jnp.asarray(rng.permutation(np.concatenate([ids[:k], ids[k:k + 300]]))[: k // 2], jnp.int32)
+    for step in range(2):
+        assert np.asarray(lookup(a, keys, groups)).tolist() == np.asarray(lookup(b, keys, groups)).tolist()
+        assert np.asarray(pc.is_cached(a)).tolist() == np.asarray(pc.is_cached(b)).tolist()
+        a, b = evict_many(a, gone), evict_many(b, gone)
