@@ -7,6 +7,8 @@ program; it reports whether its vectorised path ran); a decode step = every requ
 ``decode_step`` program; it reports which path ran: token count only, vectorised, or the sequential fallback).
 Both programs are compiled without their sequential fallback (``fallback=False``: a smaller program, a
 cheaper call); where one could not vectorise, ``schedule_batch`` runs as a second program within the timing.
+A decode step first runs the idle-only program (``idle_only=True``: only counts the token, the usual step);
+when a block moves it applies nothing and the whole ``decode_step`` runs next, within the timing.
 Times are wall clock after compilation, with ``block_until_ready``; decode is the median of the 32 steps, prefill the median of
 ``--repeats`` fresh prefills. Run: ``python benchmarks/allocator_step.py [--models full32,gemma3,gptoss]
 [--batch 64,256,1024] [--json]``.
@@ -62,6 +64,8 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None) 
     # one reports that it applied nothing, the fallback runs as a second program, inside the timing.
     sched = jax.jit(functools.partial(ops.prefill_batch, fallback=False), static_argnums=0, donate_argnums=1)
     decode = jax.jit(functools.partial(ops.decode_step, fallback=False), static_argnums=0, donate_argnums=1)
+    decode_idle = jax.jit(functools.partial(ops.decode_step, fallback=False, idle_only=True), static_argnums=0,
+                          donate_argnums=1)
     append = jax.jit(ops.append_batch, static_argnums=0, donate_argnums=1)
     sequential = jax.jit(ops.schedule_batch, static_argnums=0, donate_argnums=1)
 
@@ -82,7 +86,9 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None) 
         return jax.block_until_ready((st, ok)), bool(fast)
 
     def decode_step(st):
-        st, ok, path = decode(layout, st, slots)
+        st, ok, path = decode_idle(layout, st, slots)
+        if int(path) == 4:  # a block moves: the whole step
+            st, ok, path = decode(layout, st, slots)
         if int(path) == 3:
             st, ok, _, _ = sequential(layout, st, slots, one_token)
         return jax.block_until_ready((st, ok)), int(path)
@@ -97,7 +103,8 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None) 
         if not bool(ok.all()):
             raise RuntimeError("pool too small for the prefill")
     st = jax.block_until_ready(append(layout, st, slots, jnp.asarray(rng.integers(1, 32000, batch), jnp.int32)))
-    jax.block_until_ready(decode(layout, jax.tree.map(jnp.copy, st), slots))  # compile the decode step
+    jax.block_until_ready(decode(layout, jax.tree.map(jnp.copy, st), slots))  # compile the decode programs
+    jax.block_until_ready(decode_idle(layout, jax.tree.map(jnp.copy, st), slots))
     steps, paths = [], [0, 0, 0, 0]
     for _ in range(DECODE):
         t = time.perf_counter()
