@@ -34,6 +34,7 @@ from hkv_jax.planner import cdiv, plan
 from hkv_jax.spec import layers_from_trace
 
 PROMPT, DECODE, BS = 2048, 32, 16
+COMPARE_STEPS = 96  # decode steps per protocol with --compare-one-program
 MODELS = {
     "full32": [{"type": "full", "num_kv_heads": 8, "head_size": 128, "dtype": "bfloat16"}],
     "gemma3": [{"type": "sliding_window", "sliding_window": 1024, "num_kv_heads": 16, "head_size": 128,
@@ -48,13 +49,16 @@ def model_layers(name: str):
     return layers_from_trace({"layer_pattern": {"num_layers": NUM_LAYERS[name], "pattern": MODELS[name]}})
 
 
-def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None) -> dict:
+def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, compare: bool = False) -> dict:
+    """One model and batch; ``compare``: also time the whole ``decode_step`` as one program per step,
+    alternating with the idle-first protocol in rounds of 16 steps (``COMPARE_STEPS`` steps each)."""
+    decode_steps = 2 * COMPARE_STEPS if compare else DECODE
     layers = model_layers(name)
     groups = len(plan(layers, block_size=BS, policy="vllm", num_blocks=2).groups)
-    per_req = cdiv(PROMPT + DECODE + BS, BS)
+    per_req = cdiv(PROMPT + decode_steps + BS, BS)
     nb = num_blocks or batch * per_req * (groups + 1) + 64  # the oracle's pool size
     cfg = plan(layers, block_size=BS, policy="vllm", num_blocks=nb)
-    layout = Layout.from_config(cfg, max_model_len=PROMPT + DECODE + 2 * BS, max_requests=batch)
+    layout = Layout.from_config(cfg, max_model_len=PROMPT + decode_steps + 2 * BS, max_requests=batch)
     rng = np.random.default_rng(0)
     toks = np.zeros((batch, layout.max_model_len), np.int32)
     toks[:, :PROMPT] = rng.integers(1, 32000, size=(batch, PROMPT))
@@ -85,8 +89,10 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None) 
             st, ok, _, _ = sequential(layout, st, slots, all_tokens)
         return jax.block_until_ready((st, ok)), bool(fast)
 
-    def decode_step(st):
-        st, ok, path = decode_idle(layout, st, slots)
+    def decode_step(st, idle_first=True):
+        path = 4
+        if idle_first:
+            st, ok, path = decode_idle(layout, st, slots)
         if int(path) == 4:  # a block moves: the whole step
             st, ok, path = decode(layout, st, slots)
         if int(path) == 3:
@@ -105,24 +111,29 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None) 
     st = jax.block_until_ready(append(layout, st, slots, jnp.asarray(rng.integers(1, 32000, batch), jnp.int32)))
     jax.block_until_ready(decode(layout, jax.tree.map(jnp.copy, st), slots))  # compile the decode programs
     jax.block_until_ready(decode_idle(layout, jax.tree.map(jnp.copy, st), slots))
-    steps, paths = [], [0, 0, 0, 0]
-    for _ in range(DECODE):
+    steps, paths, one_program = [], [0, 0, 0, 0], []
+    for i in range(decode_steps):
+        idle_first = not compare or (i // 16) % 2 == 0
         t = time.perf_counter()
-        (st, ok), path = decode_step(st)
-        steps.append(time.perf_counter() - t)
-        paths[path] += 1
+        (st, ok), path = decode_step(st, idle_first)
+        (steps if idle_first else one_program).append(time.perf_counter() - t)
+        paths[path] += idle_first
         if not bool(ok.all()):
             raise RuntimeError("pool too small for decode")
         # Appending the sampled token (and hashing a block it fills) is not part of the step, as in vLLM's
         # measurement; wait for it, or its work would be timed with the next step.
         st = jax.block_until_ready(append(layout, st, slots, jnp.asarray(rng.integers(1, 32000, batch), jnp.int32)))
-    return {"model": name, "batch": batch, "num_blocks": nb, "groups": groups,
+    row = {"model": name, "batch": batch, "num_blocks": nb, "groups": groups,
             "decode_step_us": round(statistics.median(steps) * 1e6, 1),
             "decode_step_mean_us": round(statistics.mean(steps) * 1e6, 1),
             # decode_step's paths: token count only, vectorised, vectorised (many releases), sequential
             "decode_paths": paths,
             "prefill_us_per_request": round(statistics.median(prefill) / batch * 1e6, 1),
             "prefill_vectorised": prefill_vectorised == repeats}
+    if compare:
+        row.update(decode_one_program_us=round(statistics.median(one_program) * 1e6, 1),
+                   decode_one_program_mean_us=round(statistics.mean(one_program) * 1e6, 1))
+    return row
 
 
 def main(argv=None) -> int:
@@ -131,6 +142,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", default="64,256,1024")
     p.add_argument("--repeats", type=int, default=3, help="prefill repetitions (median)")
     p.add_argument("--num-blocks", type=int, help="pool size instead of the oracle's formula (pool-growth check)")
+    p.add_argument("--compare-one-program", action="store_true",
+                   help=f"also time the whole decode_step as one program per step, alternating with the idle-first "
+                        f"protocol in rounds of 16 steps ({COMPARE_STEPS} steps each; pool sized for them)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     rows = []
@@ -139,7 +153,7 @@ def main(argv=None) -> int:
             p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
         for b in map(int, a.batch.split(",")):
             print(f"... {m} B={b}", file=sys.stderr, flush=True)
-            rows.append(run_one(m, b, a.repeats, a.num_blocks))
+            rows.append(run_one(m, b, a.repeats, a.num_blocks, a.compare_one_program))
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -150,6 +164,9 @@ def main(argv=None) -> int:
         print(f"{r['model']:<8} {r['batch']:>5} {r['num_blocks']:>9} {r['decode_step_us']:>15} "
               f"{r['decode_step_mean_us']:>9} {'/'.join(map(str, r['decode_paths'])):>14} {r['prefill_us_per_request']:>15} "
               f"{str(r['prefill_vectorised']):>10}")
+        if "decode_one_program_us" in r:
+            print(f"{'':<8} {'':>5} {'':>9} {r['decode_one_program_us']:>15} {r['decode_one_program_mean_us']:>9}"
+                  f"  <- the whole decode_step as one program per step, same run")
     return 0
 
 

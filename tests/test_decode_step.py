@@ -34,7 +34,7 @@ def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned):
     run = jnp.asarray(running, jnp.int32)
     append = jax.jit(ops.append_batch, static_argnums=0)
     decode = jax.jit(ops.decode_step, static_argnums=0, static_argnames=("fallback", "idle_only"))
-    idle_only = aligned  # the idle-only program (path 0 or nothing: path 4) against the whole step
+    idle_only = aligned and model == "three"  # the idle-only program (path 0, or nothing: path 4) against the whole step
     # The fallback inside the program (the default) once; elsewhere the smaller program without it,
     # where path 3 applies nothing and the caller runs schedule_batch.
     fallback = model == "three" and num_blocks == 40
