@@ -15,9 +15,9 @@ from hkv_jax.models.tiny import TinyConfig, TinyLM
 
 MAX_LEN = 128
 # Pools small enough that the parity workload preempts (the groups differ per model).
+# Without prefix caching only for gemma3 (windows) and jamba (Mamba, vllm policy): the suite's time budget.
 PARITY_BLOCKS = {("tiny-gemma3", True): 44, ("tiny-gemma3", False): 40, ("tiny-gptoss", True): 14,
-                 ("tiny-gptoss", False): 20, ("tiny-llama4", True): 24, ("tiny-llama4", False): 28,
-                 ("tiny-jamba", True): 28, ("tiny-jamba", False): 20}
+                 ("tiny-llama4", True): 24, ("tiny-jamba", True): 28, ("tiny-jamba", False): 20}
 # With prefix caching, tiny-jamba runs under the min-waste planner: each Mamba state spans 2 pages (the
 # vllm policy's one-page states run without caching here, and in every replay trace).
 POLICY = {("tiny-jamba", True): "min-waste"}
@@ -45,8 +45,7 @@ def workload(seed: int = 0, vocab: int = 256):
     return [system + [int(t) for t in rng.integers(0, vocab, k)] for k in (5, 12, 30, 3)]
 
 
-@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gptoss", "tiny-llama4", "tiny-jamba"])
-@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("name,prefix_caching", sorted(PARITY_BLOCKS))
 def test_engine_generates_the_dense_models_tokens(name, prefix_caching):
     model = tiny(name)
     # A pool small enough that the run preempts; a token budget that chunks the prefills.

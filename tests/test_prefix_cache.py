@@ -94,7 +94,7 @@ batch_op = st.tuples(st.sampled_from(["insert", "evict"]),
                               min_size=1, max_size=6))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(batch_op, min_size=1, max_size=12), st.sampled_from([16, 32]), st.randoms(use_true_random=False),
        st.sampled_from(["table", "sorted"]))
 def test_batched_inserts_and_evictions_equal_one_by_one(batches, slots, rnd, claims):
