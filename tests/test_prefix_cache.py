@@ -150,7 +150,7 @@ def test_a_large_batch_insert_equals_one_by_one_inserts():
     a = insert_many(start, blocks, keys, groups, claims="table")
     b = jax.jit(one_by_one)(start, blocks, keys, groups)
     gone = jnp.asarray(rng.permutation(np.concatenate([ids[:k], ids[k:k + 300]]))[: k // 2], jnp.int32)
-    for step in range(2):
+    for _ in range(2):
         assert np.asarray(lookup(a, keys, groups)).tolist() == np.asarray(lookup(b, keys, groups)).tolist()
         assert np.asarray(pc.is_cached(a)).tolist() == np.asarray(pc.is_cached(b)).tolist()
         a, b = evict_many(a, gone), evict_many(b, gone)

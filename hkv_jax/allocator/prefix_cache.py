@@ -265,29 +265,29 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
 
     init = jnp.full(size if by_table else K, big, jnp.int32)
     c = (init, do & (found < 0), home, found)
-    if not by_table:
-        claimed, _, _, slot_of = jax.lax.while_loop(lambda c: jnp.any(c[1]), lambda c: body(c, idx, keys, groups), c)
-    else:
-        # Each round settles most pending keys (on an empty table: 89% of them, then about 70%), so the
-        # rounds run over fewer and fewer lanes: at each level, until the pending keys fit the next
-        # level's lanes (an eighth), then over those only. This halves the lane-rounds of a big batch.
-        lane, slot_of = idx, found
-        caps = [K]
-        while caps[-1] // 8 >= 64:
-            caps.append(caps[-1] // 8)
-        for level, cap in enumerate(caps):
-            nxt = caps[level + 1] if level + 1 < len(caps) else 0
+    # Each round settles most pending keys (on an empty table: 89% of them, then about 70%), so with table
+    # claims the rounds run over fewer and fewer lanes: at each level, until the pending keys fit the next
+    # level's lanes (an eighth), then over those only. This halves the lane-rounds of a big batch. A small
+    # batch (sorted claims) runs all its rounds over every lane.
+    lane = idx
+    caps = [K]
+    while by_table and caps[-1] // 8 >= 64:
+        caps.append(caps[-1] // 8)
+    for level, cap in enumerate(caps):
+        nxt = caps[level + 1] if level + 1 < len(caps) else 0
+        if level == 0:
+            lane_keys, lane_groups = keys, groups
+        else:
             lane_c = jnp.minimum(lane, K - 1)
-            lane_keys, lane_groups = (keys, groups) if level == 0 else (keys[lane_c], groups[lane_c])
-            c = jax.lax.while_loop(lambda c: jnp.sum(c[1]) > nxt,
-                                   lambda c: body(c, lane, lane_keys, lane_groups), c)
-            claimed, pending, probe, slot_c = c
-            slot_of = slot_of.at[lane].set(slot_c, mode="drop")  # lanes past K (padding) drop
-            if nxt:
-                sel = jnp.nonzero(pending, size=nxt, fill_value=cap)[0]
-                sel_c = jnp.minimum(sel, cap - 1)
-                lane = jnp.where(sel < cap, lane[sel_c], K).astype(jnp.int32)
-                c = (claimed, pending[sel_c] & (sel < cap), probe[sel_c], slot_c[sel_c])
+            lane_keys, lane_groups = keys[lane_c], groups[lane_c]
+        c = jax.lax.while_loop(lambda c: jnp.sum(c[1]) > nxt, lambda c: body(c, lane, lane_keys, lane_groups), c)
+        claimed, pending, probe, slot_c = c
+        slot_of = slot_c if level == 0 else slot_of.at[lane].set(slot_c, mode="drop")  # padding lanes drop
+        if nxt:
+            sel = jnp.nonzero(pending, size=nxt, fill_value=cap)[0]
+            sel_c = jnp.minimum(sel, cap - 1)
+            lane = jnp.where(sel < cap, lane[sel_c], K).astype(jnp.int32)
+            c = (claimed, pending[sel_c] & (sel < cap), probe[sel_c], slot_c[sel_c])
     owner = claims_at(claimed, jnp.maximum(slot_of, 0))
     opened = do & (found < 0) & (owner == idx)                        # first block under a new key
     tgt = jnp.where(opened, slot_of, size)
