@@ -7,8 +7,9 @@ program; it reports whether its vectorised path ran); a decode step = every requ
 ``decode_step`` program; it reports which path ran: token count only, vectorised, or the sequential fallback).
 Both programs are compiled without their sequential fallback (``fallback=False``: a smaller program, a
 cheaper call); where one could not vectorise, ``schedule_batch`` runs as a second program within the timing.
-A decode step first runs the idle-only program (``idle_only=True``: only counts the token, the usual step);
-when a block moves it applies nothing and the whole ``decode_step`` runs next, within the timing.
+A decode step first runs ``idle_decode`` (a read-only check of whether the step only counts the token, the
+usual step, with the counts it would leave); when a block moves the whole ``decode_step`` runs next, within the
+timing.
 Times are wall clock after compilation, with ``block_until_ready``; decode is the median of the 32 steps, prefill the median of
 ``--repeats`` fresh prefills. Run: ``python benchmarks/allocator_step.py [--models full32,gemma3,gptoss]
 [--batch 64,256,1024] [--json]``.
@@ -17,6 +18,7 @@ Times are wall clock after compilation, with ``block_until_ready``; decode is th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import platform
@@ -68,8 +70,7 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, 
     # one reports that it applied nothing, the fallback runs as a second program, inside the timing.
     sched = jax.jit(functools.partial(ops.prefill_batch, fallback=False), static_argnums=0, donate_argnums=1)
     decode = jax.jit(functools.partial(ops.decode_step, fallback=False), static_argnums=0, donate_argnums=1)
-    decode_idle = jax.jit(functools.partial(ops.decode_step, fallback=False, idle_only=True), static_argnums=0,
-                          donate_argnums=1)
+    idle_decode = jax.jit(ops.idle_decode, static_argnums=0)  # read-only: donates nothing
     append = jax.jit(ops.append_batch, static_argnums=0, donate_argnums=1)
     sequential = jax.jit(ops.schedule_batch, static_argnums=0, donate_argnums=1)
 
@@ -79,7 +80,7 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, 
         return jax.block_until_ready(st)
 
     # Compile everything first (the fallback too: it must not be compiled inside a timed step).
-    all_tokens, one_token = jnp.full(batch, -1, jnp.int32), jnp.ones(batch, jnp.int32)
+    all_tokens, one_token, all_ok = jnp.full(batch, -1, jnp.int32), jnp.ones(batch, jnp.int32), jnp.ones(batch, bool)
     jax.block_until_ready(sched(layout, fresh(), slots, all_tokens))
     jax.block_until_ready(sequential(layout, fresh(), slots, one_token))
 
@@ -90,10 +91,13 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, 
         return jax.block_until_ready((st, ok)), bool(fast)
 
     def decode_step(st, idle_first=True):
-        path = 4
+        idle = False
         if idle_first:
-            st, ok, path = decode_idle(layout, st, slots)
-        if int(path) == 4:  # a block moves: the whole step
+            num_computed, idle = idle_decode(layout, st, slots)
+            idle = bool(idle)
+        if idle:
+            st, ok, path = dataclasses.replace(st, num_computed=num_computed), all_ok, 0
+        else:  # a block moves: the whole step
             st, ok, path = decode(layout, st, slots)
         if int(path) == 3:
             st, ok, _, _ = sequential(layout, st, slots, one_token)
@@ -110,7 +114,7 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, 
             raise RuntimeError("pool too small for the prefill")
     st = jax.block_until_ready(append(layout, st, slots, jnp.asarray(rng.integers(1, 32000, batch), jnp.int32)))
     jax.block_until_ready(decode(layout, jax.tree.map(jnp.copy, st), slots))  # compile the decode programs
-    jax.block_until_ready(decode_idle(layout, jax.tree.map(jnp.copy, st), slots))
+    jax.block_until_ready(idle_decode(layout, st, slots))
     steps, paths, one_program = [], [0, 0, 0, 0], []
     for i in range(decode_steps):
         idle_first = not compare or (i // 16) % 2 == 0

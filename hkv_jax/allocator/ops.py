@@ -548,7 +548,7 @@ class _DecodePlan(NamedTuple):
     keys: jax.Array       # u32[B, G, 4]: its block hash
 
 
-def decode_step(layout: Layout, state: AllocatorState, slots, fallback: bool = True, idle_only: bool = False):
+def decode_step(layout: Layout, state: AllocatorState, slots, fallback: bool = True):
     """Every request in ``slots`` (distinct, running) allocates slots for one more token: one vectorised program.
 
     Same state and results as ``schedule_batch(slots, 1)``, computed for all requests at once with
@@ -562,19 +562,33 @@ def decode_step(layout: Layout, state: AllocatorState, slots, fallback: bool = T
     ``schedule_batch``. A busy step plans everything read-only first, so its branch updates the
     state in place.
     Returns (state, ok ``bool[B]``, the path taken ``i32[]``: 0 = only counted the token, 1 = vectorised,
-    2 = vectorised with free calls releasing several blocks, 3 = sequential fallback, 4 = not applied
-    (``idle_only``)).
+    2 = vectorised with free calls releasing several blocks, 3 = sequential fallback).
 
     ``fallback`` (static) False leaves the fallback out of the program: path 3 then applies nothing
     (the state comes back unchanged, ``ok`` all False) and the caller runs ``schedule_batch(layout,
     state, slots, 1)`` itself. The program is much smaller, and on CPU a call's fixed cost grows with
     the program even where a branch never runs: the idle step takes half the time or less.
-
-    ``idle_only`` (static) True keeps only path 0 in the program: a step where a block moves applies
-    nothing (state unchanged, ``ok`` all False, path 4) and the caller runs ``decode_step`` again with
-    ``idle_only=False``. On CPU most steps are idle and this program is a cheaper call (full32 B = 256:
-    183-193 against 225-249 us); inside one jitted serving step keep the default.
+    On CPU a host loop does better still with ``idle_decode`` first (see there).
     """
+    return _decode(layout, state, slots, fallback, count_only=False)
+
+
+def idle_decode(layout: Layout, state: AllocatorState, slots):
+    """Read-only: whether ``decode_step(layout, state, slots)`` would only count the token (path 0, the
+    usual step), and the ``num_computed`` (``i32[R]``) it would leave then (else the current one).
+
+    A host loop calls this first and, when the step is idle, replaces ``state.num_computed``
+    (``dataclasses.replace``); otherwise it calls ``decode_step``. The program takes only the fields
+    the check reads (jit drops unused arguments), returns one small array and donates nothing, so
+    its call costs far less than a whole-state program's on CPU, where the per-call cost grows with
+    every array passed in and out (full32 B = 256: about a third of the idle ``decode_step``'s).
+    Returns ``(num_computed, idle bool[])``. Inside one jitted serving step use ``decode_step``.
+    """
+    return _decode(layout, state, slots, False, count_only=True)
+
+
+def _decode(layout: Layout, state: AllocatorState, slots, fallback: bool, count_only: bool):
+    """``decode_step``'s body; ``count_only``: ``idle_decode``'s answer, computed before anything busy."""
     bs, G, M = layout.block_size, layout.num_groups, layout.max_blocks
     B = slots.shape[0]
     C, T = state.num_computed[slots], state.num_tokens[slots]
@@ -642,6 +656,8 @@ def decode_step(layout: Layout, state: AllocatorState, slots, fallback: bool = T
     running = jnp.all(state.status[slots] == RUNNING) & jnp.all(T - C >= 1)
     idle = (running & (total == 0) & jnp.all(num_cached == before) & jnp.all(flat == 0)
             & jnp.all(retired_new == retired))
+    if count_only:
+        return state.num_computed.at[slots].set(jnp.where(idle, C + 1, C)), idle
 
     def entry(tables, g, j):
         """Entry ``j`` of group ``g``'s row after the releases."""
@@ -752,10 +768,7 @@ def decode_step(layout: Layout, state: AllocatorState, slots, fallback: bool = T
         st, ok = _switch_mutable(index, fns, state)
         return st, (ok, plan.branch)
 
-    def not_applied(state: AllocatorState):
-        return state, (jnp.zeros(B, bool), jnp.int32(4))
-
-    state, (ok, path) = _cond_mutable(idle, count_token, not_applied if idle_only else busy, state)
+    state, (ok, path) = _cond_mutable(idle, count_token, busy, state)
     return state, ok, path
 
 
