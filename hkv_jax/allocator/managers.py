@@ -67,8 +67,9 @@ def _hit_one(spec, bs: int, found: jax.Array, all_found: jax.Array, max_len: jax
     return jnp.where(keep[None, :], found, 0), nblocks * bs
 
 
-def lookup(layout: Layout, state: AllocatorState, slot: jax.Array):
-    """Longest prefix-cache hit of the waiting request in ``slot``.
+def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: jax.Array | None = None):
+    """Longest prefix-cache hit of the waiting request in ``slot``; ``key_slots: i32[G, H]``, optional:
+    the cache slots of its keys (``prefix_cache.find``), when the caller already looked them up.
 
     Returns (hit blocks ``i32[G, H]`` (entries past the hit are 0), hit tokens,
     shared-prefix boundary: a longer prefix some group alone could serve, or 0).
@@ -79,7 +80,9 @@ def lookup(layout: Layout, state: AllocatorState, slot: jax.Array):
     nh = state.num_tokens[slot] // bs
     valid = jnp.arange(H) < nh
     gids = jnp.arange(G, dtype=jnp.int32)
-    found = pc.lookup(state.bp.cache, jnp.broadcast_to(hashes, (G, H, 4)), jnp.broadcast_to(gids[:, None], (G, H)))
+    if key_slots is None:
+        key_slots = pc.find(state.bp.cache, jnp.broadcast_to(hashes, (G, H, 4)), jnp.broadcast_to(gids[:, None], (G, H)))
+    found = pc.block_at(state.bp.cache, key_slots)
     found = jnp.where(valid[None, :], found, 0)
     sgs = [(layout.groups[sg[0]].spec, list(sg)) for sg in layout.spec_groups]
     all_found = [jnp.all(found[jnp.array(sg)] > 0, axis=0) for _, sg in sgs]

@@ -388,12 +388,17 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     bs, G, M = layout.block_size, layout.num_groups, layout.max_blocks
     B = slots.shape[0]
     H = state.hashes.shape[1]
-    hit_blocks, h, _ = jax.vmap(lambda s: lookup(layout, state, s))(slots)  # [B, G, H], [B]
+    idx = jnp.arange(M)
+    hashes = state.hashes[slots]                                              # [B, H, 4]
+    # Every (request, group, entry)'s key, looked up once: the hit search and the cache insert share it.
+    keys = jnp.broadcast_to(hashes[:, None, jnp.minimum(idx, H - 1)], (B, G, M, 4))
+    groups = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32)[None, :, None], (B, G, M))
+    key_slots = BP.pc.find(state.bp.cache, keys, groups)                      # [B, G, M]
+    hit_blocks, h, _ = jax.vmap(lambda s, f: lookup(layout, state, s, f))(slots, key_slots[:, :, :H])  # [B, G, H]
     hits = jnp.pad(hit_blocks, ((0, 0), (0, 0), (0, M - H)))               # [B, G, M]
     C, T = state.num_computed[slots], state.num_tokens[slots]
     n, computed, main, need, nfull = _token_counts(layout, C, T, h, num_tokens)
     nhit = h // bs
-    idx = jnp.arange(M)
 
     rows, cnt, first, lens, last = [], [], [], [], []
     for g in range(G):
@@ -416,7 +421,6 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
 
     pool, cache = state.bp.pool, state.bp.cache
     held = pool.ref_count[rows] > 0
-    hashes = state.hashes[slots]                                              # [B, H, 4]
     mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
     last_hit = jnp.take_along_axis(rows, jnp.maximum(nhit - 1, 0)[:, None, None], axis=2)[:, :, 0]  # [B, G]
     key_slot = cache.block_slot[last_hit]
@@ -434,9 +438,6 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     fresh = (k >= 0) & (k < cnt[:, :, None])
     rows = jnp.where(fresh, pop.ids[jnp.clip(offset[:, :, None] + k, 0, max_new - 1)], rows)
     new_cached = (idx[None, None] >= nhit[:, None, None]) & (idx[None, None] < nfull[:, None, None]) & (rows > 0)
-    keys = hashes[:, jnp.minimum(idx, H - 1)]                                 # [B, M, 4]
-    keys = jnp.broadcast_to(keys[:, None], (B, G, M, 4))
-    groups = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32)[None, :, None], (B, G, M))
 
     def vectorised(state: AllocatorState):
         touched = jnp.where(fresh, 0, rows)
@@ -444,7 +445,10 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
         p = replace(p, ref_count=p.ref_count.at[jnp.where(touched > 0, touched, layout.num_blocks)].add(
             1, mode="drop"))
         c = BP.pc.evict_alone(BP.mark_hit(state.bp.cache, touched), pop.ids)
-        c = BP.pc.insert_many(c, jnp.where(new_cached, rows, 0).reshape(-1), keys.reshape(-1, 4), groups.reshape(-1))
+        # A key the lookup found is gone if the pop evicted its (only) block: its slot is a tombstone now.
+        found = jnp.where((key_slots >= 0) & (c.group[jnp.maximum(key_slots, 0)] >= 0), key_slots, -1)
+        c = BP.pc.insert_many(c, jnp.where(new_cached, rows, 0).reshape(-1), keys.reshape(-1, 4), groups.reshape(-1),
+                              found=found.reshape(-1))
         marked = new_cached & mamba_g[None, :, None]
         size = state.step_cached.shape[0]
         step_cached = state.step_cached.at[

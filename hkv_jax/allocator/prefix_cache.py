@@ -28,7 +28,8 @@ class PrefixCache:
       keys: ``u32[num_slots, 4]`` block hash of each slot.
       group: ``i32[num_slots]`` KV cache group of the slot's key; ``EMPTY`` or ``TOMBSTONE``.
       block: ``i32[num_slots]`` the oldest block cached under the key.
-      dups: ``i32[num_slots]`` how many more blocks are cached under the key.
+      dups: ``i32[num_slots]`` how many more blocks are cached under the key (0 at empty and
+        tombstone slots: a key leaves only when it holds no duplicate).
       block_slot: ``i32[num_blocks]`` slot of the key a block is cached under; -1 when not cached.
       cached_at: ``i32[num_blocks]`` insertion clock of each cached block (oldest first).
       hit: ``bool[num_blocks]`` the block served a prefix hit since it was cached (a shared prefix:
@@ -91,14 +92,23 @@ def _probe(cache: PrefixCache, key: jax.Array, group: jax.Array) -> tuple[jax.Ar
     return found, free
 
 
-def lookup(cache: PrefixCache, keys: jax.Array, groups: jax.Array) -> jax.Array:
-    """Block cached under each (``keys[i]``, ``groups[i]``), 0 (the null block) when none.
+def find(cache: PrefixCache, keys: jax.Array, groups: jax.Array) -> jax.Array:
+    """Slot holding each (``keys[i]``, ``groups[i]``), -1 when not cached.
 
     ``keys`` is ``u32[..., 4]``, ``groups`` ``i32[...]``; batch dims are vmapped.
     """
     flat_k, flat_g = keys.reshape(-1, 4), groups.reshape(-1)
-    found = jax.vmap(lambda k, g: _probe(cache, k, g)[0])(flat_k, flat_g)
-    return jnp.where(found >= 0, cache.block[jnp.maximum(found, 0)], 0).reshape(groups.shape)
+    return jax.vmap(lambda k, g: _probe(cache, k, g)[0])(flat_k, flat_g).reshape(groups.shape)
+
+
+def block_at(cache: PrefixCache, slots: jax.Array) -> jax.Array:
+    """The (oldest) block cached at each of ``slots`` (from ``find``), 0 (the null block) for -1."""
+    return jnp.where(slots >= 0, cache.block[jnp.maximum(slots, 0)], 0)
+
+
+def lookup(cache: PrefixCache, keys: jax.Array, groups: jax.Array) -> jax.Array:
+    """Block cached under each (``keys[i]``, ``groups[i]``), 0 (the null block) when none (shapes as ``find``)."""
+    return block_at(cache, find(cache, keys, groups))
 
 
 def _set(arr: jax.Array, i, value, when) -> jax.Array:
@@ -198,7 +208,7 @@ def evict_many(cache: PrefixCache, blocks: jax.Array) -> PrefixCache:
 
 
 def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: jax.Array,
-                claims: str = "auto") -> PrefixCache:
+                claims: str = "auto", found: jax.Array | None = None) -> PrefixCache:
     """``insert`` each non-null ``blocks[i]`` (not cached now; ids distinct) under (``keys[i]``, ``groups[i]``), in order.
 
     ``blocks: i32[K]``, ``keys: u32[K, 4]``, ``groups: i32[K]``. Keys already in
@@ -211,12 +221,15 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
     and which block a lookup returns (the oldest) and the duplicate counts are
     the same. ``claims`` (static): ``table`` keeps the claims in a table-sized
     array, ``sorted`` in the batch's own sorted slots, ``auto`` picks by size.
+    ``found: i32[K]``, optional: each key's slot in ``cache`` now (``find``), when the caller has it
+    (a prefill looked the keys up): saves a probe per key.
     """
     K, size, n = blocks.shape[0], cache.group.shape[0], cache.block_slot.shape[0]
     mask = size - 1
     do = blocks > 0
     rank = jnp.cumsum(do, dtype=jnp.int32) - 1                         # insertion order among the real ones
-    found = jax.vmap(lambda k, g: _probe(cache, k, g)[0])(keys, groups)
+    if found is None:
+        found = find(cache, keys, groups)
     idx = jnp.arange(K, dtype=jnp.int32)
     home = jax.vmap(lambda k, g: _home(cache, k, g))(keys, groups)
     big = jnp.iinfo(jnp.int32).max
@@ -228,7 +241,8 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
     by_table = claims == "table" or (claims == "auto" and K * 128 >= size)
 
     def claims_at(claimed, probe):
-        """Owner (batch index) of each probe slot, ``big`` if unclaimed."""
+        """Owner (batch index) of each probe slot, ``big`` if unclaimed; with table claims, -1 where the
+        table holds a key (one gather answers both)."""
         if by_table:
             return claimed[probe]
         order = jnp.argsort(claimed)
@@ -252,18 +266,18 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
         """One round for the batch keys ``lane`` (per-lane ``pending``, ``probe``, ``slot_of``)."""
         claimed, pending, probe, slot_of = c
         o = claims_at(claimed, probe)
-        is_claimed = o < big
-        oc = jnp.minimum(o, K - 1)
+        taken = o < 0 if by_table else cache.group[probe] >= 0
+        is_claimed = (o >= 0) & (o < big)
+        oc = jnp.clip(o, 0, K - 1)
         same = is_claimed & (groups[oc] == lane_groups) & jnp.all(keys[oc] == lane_keys, axis=-1)
         joined = pending & same
-        taken = cache.group[probe] >= 0
         free = pending & ~taken & ~is_claimed
         claimed, won = contest(claimed, free, probe, lane)
         slot_of = jnp.where(won | joined, probe, slot_of)
         moved = pending & (taken | (is_claimed & ~same))
         return claimed, pending & ~(won | joined), jnp.where(moved, (probe + 1) & mask, probe), slot_of
 
-    init = jnp.full(size if by_table else K, big, jnp.int32)
+    init = jnp.where(cache.group >= 0, -1, big) if by_table else jnp.full(K, big, jnp.int32)
     c = (init, do & (found < 0), home, found)
     # Each round settles most pending keys (on an empty table: 89% of them, then about 70%), so with table
     # claims the rounds run over fewer and fewer lanes: at each level, until the pending keys fit the next
@@ -297,7 +311,7 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
         keys=cache.keys.at[tgt].set(keys, mode="drop"),
         group=cache.group.at[tgt].set(groups, mode="drop"),
         block=cache.block.at[tgt].set(blocks, mode="drop"),
-        dups=cache.dups.at[tgt].set(0, mode="drop").at[jnp.where(dup, slot_of, size)].add(1, mode="drop"),
+        dups=cache.dups.at[jnp.where(dup, slot_of, size)].add(1, mode="drop"),  # an opened slot's is 0
         block_slot=cache.block_slot.at[jnp.where(do, blocks, n)].set(slot_of, mode="drop"),
         cached_at=cache.cached_at.at[jnp.where(do, blocks, n)].set(cache.clock + rank, mode="drop"),
         hit=cache.hit.at[jnp.where(do, blocks, n)].set(False, mode="drop"),
