@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import platform
 import statistics
 import sys
@@ -45,6 +46,7 @@ MODELS = {
                {"type": "full", "num_kv_heads": 8, "head_size": 64, "dtype": "bfloat16"}],
 }
 NUM_LAYERS = {"full32": 32, "gemma3": 62, "gptoss": 36}
+HUGEPAGES = "glibc.malloc.hugetlb=1"
 
 
 def model_layers(name: str):
@@ -95,10 +97,10 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, 
         if idle_first:
             num_computed, idle = idle_decode(layout, st, slots)
             idle = bool(idle)
-        if idle:
-            st, ok, path = dataclasses.replace(st, num_computed=num_computed), all_ok, 0
-        else:  # a block moves: the whole step
-            st, ok, path = decode(layout, st, slots)
+        if idle:  # only num_computed is new: every other array is the previous (ready) state's
+            jax.block_until_ready(num_computed)
+            return (dataclasses.replace(st, num_computed=num_computed), all_ok), 0
+        st, ok, path = decode(layout, st, slots)  # a block moves: the whole step
         if int(path) == 3:
             st, ok, _, _ = sequential(layout, st, slots, one_token)
         return jax.block_until_ready((st, ok)), int(path)
@@ -133,7 +135,8 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, 
             # decode_step's paths: token count only, vectorised, vectorised (many releases), sequential
             "decode_paths": paths,
             "prefill_us_per_request": round(statistics.median(prefill) / batch * 1e6, 1),
-            "prefill_vectorised": prefill_vectorised == repeats}
+            "prefill_vectorised": prefill_vectorised == repeats,
+            "malloc_hugepages": HUGEPAGES in os.environ.get("GLIBC_TUNABLES", "")}
     if compare:
         row.update(decode_one_program_us=round(statistics.median(one_program) * 1e6, 1),
                    decode_one_program_mean_us=round(statistics.mean(one_program) * 1e6, 1))
@@ -149,8 +152,17 @@ def main(argv=None) -> int:
     p.add_argument("--compare-one-program", action="store_true",
                    help=f"also time the whole decode_step as one program per step, alternating with the idle-first "
                         f"protocol in rounds of 16 steps ({COMPARE_STEPS} steps each; pool sized for them)")
+    p.add_argument("--malloc-hugepages", action="store_true",
+                   help=f"rerun under GLIBC_TUNABLES={HUGEPAGES} (glibc >= 2.35): XLA's CPU temporaries come from "
+                        f"transparent huge pages, not thousands of fresh 4 KiB pages per call (prefill)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    if a.malloc_hugepages and HUGEPAGES not in os.environ.get("GLIBC_TUNABLES", ""):
+        # The tunable is read at process start: run this script again with it.
+        tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), HUGEPAGES]))
+        args = sys.argv[1:] if argv is None else list(argv)
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *args],
+                  {**os.environ, "GLIBC_TUNABLES": tunables})
     rows = []
     for m in a.models.split(","):
         if m not in MODELS:
@@ -161,7 +173,8 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"machine: {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, jax {jax.__version__}")
+    print(f"machine: {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, jax {jax.__version__}, "
+          f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
     print(f"{'model':<8} {'B':>5} {'blocks':>9} {'decode step us':>15} {'(mean)':>9} {'paths c/v/m/s':>14} "
           f"{'prefill us/req':>15} {'vectorised':>10}")
     for r in rows:

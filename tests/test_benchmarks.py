@@ -31,3 +31,15 @@ def test_window_eviction_benchmark_reaches_the_ideal_hits_in_an_ample_pool():
     rows = json.loads(proc.stdout)
     assert [r["window_aware"] for r in rows] == [False, True]
     assert all(r["hit_tokens"] > 0 and r["hit_of_ideal"] == 1.0 for r in rows)
+
+
+def test_allocator_benchmark_runs_both_decode_paths_and_reruns_with_hugepages():
+    # 4 requests of one hybrid model: the vectorised prefill, idle steps (idle_decode) and busy ones.
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/allocator_step.py"), "--models", "gptoss",
+                           "--batch", "4", "--repeats", "1", "--malloc-hugepages", "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(proc.stdout)
+    assert row["prefill_vectorised"] and row["malloc_hugepages"]
+    assert sum(row["decode_paths"]) == 32 and row["decode_paths"][0] > 0 and row["decode_paths"][3] == 0
+    assert row["decode_step_us"] > 0 and row["prefill_us_per_request"] > 0
