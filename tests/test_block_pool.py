@@ -3,10 +3,12 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hkv_jax.allocator import block_pool as BP
+from hkv_jax.allocator import pool as P
 from hkv_jax.allocator.pymodel import PyAllocator
 from hkv_jax.planner import plan
 from hkv_jax.spec import FullAttentionSpec
@@ -64,3 +66,10 @@ def test_block_pool_matches_the_model(ops):
         assert list(np.asarray(state.pool.ref_count)) == model.ref
         got = np.asarray(lookup(state.cache, KEYS, jnp.zeros(len(HASHES), jnp.int32)))
         assert list(got) == [model.cache.get((h, 0), [0])[0] for h in range(4)]
+
+
+@pytest.mark.parametrize("n", [1000, P._SCAN_MIN + 123])  # cumsum, then the log-depth scan
+def test_running_count_is_a_cumsum(n):
+    flags = np.random.default_rng(n).random(n) < 0.3
+    got = jax.jit(P.running_count)(jnp.asarray(flags))
+    assert got.dtype == jnp.int32 and np.array_equal(np.asarray(got), np.cumsum(flags))

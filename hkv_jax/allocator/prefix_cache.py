@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 import jax
 import jax.numpy as jnp
 
+from hkv_jax.allocator.pool import running_count
+
 EMPTY, TOMBSTONE = -1, -2
 
 
@@ -227,7 +229,7 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
     K, size, n = blocks.shape[0], cache.group.shape[0], cache.block_slot.shape[0]
     mask = size - 1
     do = blocks > 0
-    rank = jnp.cumsum(do, dtype=jnp.int32) - 1                         # insertion order among the real ones
+    rank = running_count(do) - 1                                         # insertion order among the real ones
     if found is None:
         found = find(cache, keys, groups)
     idx = jnp.arange(K, dtype=jnp.int32)
