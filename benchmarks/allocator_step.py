@@ -12,7 +12,7 @@ usual step, with the counts it would leave); when a block moves the whole ``deco
 timing.
 Times are wall clock after compilation, with ``block_until_ready``; decode is the median of the 32 steps, prefill the median of
 ``--repeats`` fresh prefills. Run: ``python benchmarks/allocator_step.py [--models full32,gemma3,gptoss]
-[--batch 64,256,1024] [--json]``.
+[--batch 64,256,1024] [--malloc-hugepages] [--json]``.
 """
 
 from __future__ import annotations

@@ -585,7 +585,8 @@ def idle_decode(layout: Layout, state: AllocatorState, slots):
     (``dataclasses.replace``); otherwise it calls ``decode_step``. The program takes only the fields
     the check reads (jit drops unused arguments), returns one small array and donates nothing, so
     its call costs far less than a whole-state program's on CPU, where the per-call cost grows with
-    every array passed in and out (full32 B = 256: about a third of the idle ``decode_step``'s).
+    every array passed in and out (full32 B = 256, the two alternating in one process: an idle step
+    takes 0.55-0.6 of the idle ``decode_step``'s time).
     Returns ``(num_computed, idle bool[])``. Inside one jitted serving step use ``decode_step``.
     """
     return _decode(layout, state, slots, False, count_only=True)
