@@ -109,7 +109,7 @@ def test_prefill_recaches_keys_whose_blocks_it_pops():
     prompts = rng.integers(1, 1000, (6, 40))
     st, fast_runs = init_state(layout), 0
     slots = jnp.arange(2, dtype=jnp.int32)
-    for _ in range(40):
+    for _ in range(30):
         toks = np.zeros((2, T), np.int32)
         lens = rng.integers(9, 40, 2)
         for i, (n, p) in enumerate(zip(lens, rng.choice(6, 2, replace=False))):
