@@ -25,7 +25,7 @@ op = st.one_of(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(op, min_size=5, max_size=40), st.sampled_from([16, 32]))
 def test_table_matches_the_dict_model(ops, slots):
-    cache = pc.init_prefix_cache(NB, slots)
+    cache = pc.init_prefix_cache(NB, slots, num_groups=2)
     model: dict[tuple[int, int], list[int]] = {}
     where: dict[int, tuple[int, int]] = {}
     all_keys = jnp.asarray(np.stack([k for k in KEYS for _ in (0, 1)]))
@@ -56,14 +56,14 @@ def test_table_matches_the_dict_model(ops, slots):
 
 
 def test_lookup_batches_and_misses_return_the_null_block():
-    cache = pc.init_prefix_cache(8)
+    cache = pc.init_prefix_cache(8, num_groups=2)
     cache = insert(cache, jnp.int32(3), jnp.asarray(KEYS[1]), jnp.int32(0))
     got = lookup(cache, jnp.asarray(np.stack([KEYS[1], KEYS[1], KEYS[2]]))[None], jnp.array([[0, 1, 0]], jnp.int32))
     assert got.shape == (1, 3) and list(np.asarray(got[0])) == [3, 0, 0]
 
 
 def test_evicting_the_oldest_duplicate_promotes_the_next_oldest():
-    cache = pc.init_prefix_cache(10, 16)
+    cache = pc.init_prefix_cache(10, 16, num_groups=2)
     for b in (2, 5, 7):
         cache = insert(cache, jnp.int32(b), jnp.asarray(KEYS[1]), jnp.int32(0))
     key, grp = jnp.asarray(KEYS[1])[None], jnp.array([0], jnp.int32)
@@ -99,7 +99,7 @@ batch_op = st.tuples(st.sampled_from(["insert", "evict"]),
        st.sampled_from(["table", "sorted"]))
 def test_batched_inserts_and_evictions_equal_one_by_one(batches, slots, rnd, claims):
     """Same lookups, cached set and duplicate order (checked by evicting everything one by one at the end)."""
-    a = b = pc.init_prefix_cache(NB, slots)
+    a = b = pc.init_prefix_cache(NB, slots, num_groups=2)
     cached: set[int] = set()
     all_keys = jnp.asarray(np.stack([k for k in KEYS for _ in (0, 1)]))
     all_groups = jnp.asarray([g for _ in KEYS for g in (0, 1)], jnp.int32)
@@ -146,7 +146,7 @@ def test_a_large_batch_insert_equals_one_by_one_inserts():
     def one_by_one(cache, blocks, keys, groups):
         return jax.lax.fori_loop(0, blocks.shape[0], lambda i, c: pc.insert(c, blocks[i], keys[i], groups[i]), cache)
 
-    start = jax.jit(one_by_one)(pc.init_prefix_cache(num_blocks), early, keys[:300], groups[:300])
+    start = jax.jit(one_by_one)(pc.init_prefix_cache(num_blocks, num_groups=2), early, keys[:300], groups[:300])
     a = insert_many(start, blocks, keys, groups, claims="table")
     b = jax.jit(one_by_one)(start, blocks, keys, groups)
     gone = jnp.asarray(rng.permutation(np.concatenate([ids[:k], ids[k:k + 300]]))[: k // 2], jnp.int32)

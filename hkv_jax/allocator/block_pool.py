@@ -25,9 +25,9 @@ class BlockPoolState:
     cache: pc.PrefixCache
 
 
-def init_block_pool(num_blocks: int) -> BlockPoolState:
-    """All blocks but the null block free, nothing cached."""
-    return BlockPoolState(pool=P.init_pool(num_blocks), cache=pc.init_prefix_cache(num_blocks))
+def init_block_pool(num_blocks: int, num_groups: int = 1) -> BlockPoolState:
+    """All blocks but the null block free, nothing cached (``num_groups`` KV cache groups)."""
+    return BlockPoolState(pool=P.init_pool(num_blocks), cache=pc.init_prefix_cache(num_blocks, num_groups=num_groups))
 
 
 def get_new_blocks(state: BlockPoolState, count: jax.Array, max_count: int) -> tuple[BlockPoolState, jax.Array]:

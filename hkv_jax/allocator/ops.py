@@ -117,6 +117,14 @@ def _remove_skipped(layout: Layout, state: AllocatorState, slot, g: int, compute
     return _set_row(_replace(state, bp=bp), slot, g, row, retired=retired)
 
 
+def _cached_this_step(layout: Layout, state: AllocatorState, blocks: jax.Array) -> jax.Array:
+    """Whether each of ``blocks`` is cached under an entry a Mamba group cached in this step."""
+    if not layout.mamba_groups:
+        return jnp.zeros(blocks.shape, bool)
+    at = layout.step_cached_index(state.bp.cache, blocks)
+    return state.step_cached.at[at].get(mode="fill", fill_value=False)
+
+
 def _token_counts(layout: Layout, C, T, h, num_tokens):
     """Token arithmetic of a schedule (scalars or per request): ``C`` computed, ``T`` known, ``h`` hit
     tokens, ``num_tokens`` wanted (-1: all). Returns (new tokens ``n``, computed after the hit, tokens
@@ -167,8 +175,7 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
         free_hit = (hg > 0) & (ref[hg] == 0) & (idx < nhit)
         if layout.is_mamba(g):
             last = hg[jnp.maximum(nhit - 1, 0)]
-            key_slot = st.bp.cache.block_slot[last]
-            impossible |= waiting & (nhit > 0) & (key_slot >= 0) & st.step_cached[jnp.maximum(key_slot, 0)]
+            impossible |= waiting & (nhit > 0) & _cached_this_step(layout, st, last)
             new = _cdiv(main, bs) - nhit - L
             total += jnp.where(new > 0, 1, 0) + jnp.sum(free_hit, dtype=jnp.int32)
         else:
@@ -210,8 +217,7 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
             bp = BP.cache_blocks(st.bp, row, hashes, jnp.int32(g), before, jnp.maximum(before, nfull))
             step_cached = st.step_cached
             if layout.is_mamba(g):
-                key_slots = bp.cache.block_slot[new]
-                step_cached = step_cached.at[jnp.where(new > 0, key_slots, step_cached.shape[0])].set(True, mode="drop")
+                step_cached = step_cached.at[layout.step_cached_index(bp.cache, new)].set(True, mode="drop")
             st = _replace(st, bp=bp, step_cached=step_cached,
                           num_cached=st.num_cached.at[slot, g].set(jnp.maximum(before, nfull)))
         st = _replace(st, status=st.status.at[slot].set(RUNNING), num_computed=st.num_computed.at[slot].set(C + h + n))
@@ -390,11 +396,11 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     H = state.hashes.shape[1]
     idx = jnp.arange(M)
     hashes = state.hashes[slots]                                              # [B, H, 4]
-    # Every (request, group, entry)'s key, looked up once: the hit search and the cache insert share it.
-    keys = jnp.broadcast_to(hashes[:, None, jnp.minimum(idx, H - 1)], (B, G, M, 4))
-    groups = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32)[None, :, None], (B, G, M))
-    key_slots = BP.pc.find(state.bp.cache, keys, groups)                      # [B, G, M]
-    hit_blocks, h, _ = jax.vmap(lambda s, f: lookup(layout, state, s, f))(slots, key_slots[:, :, :H])  # [B, G, H]
+    # Every block hash is looked up once (one slot holds every group's entry): the hit search and the
+    # cache insert share it. Entries past the H hashed ones are never cached (full blocks number <= H).
+    hash_slots = BP.pc.find_slots(state.bp.cache, hashes)                     # [B, H]
+    key_slots = jnp.swapaxes(BP.pc.row_entries(state.bp.cache, hash_slots), 1, 2)  # [B, G, H] entry ids
+    hit_blocks, h, _ = jax.vmap(lambda s, f: lookup(layout, state, s, f))(slots, key_slots)  # [B, G, H]
     hits = jnp.pad(hit_blocks, ((0, 0), (0, 0), (0, M - H)))               # [B, G, M]
     C, T = state.num_computed[slots], state.num_tokens[slots]
     n, computed, main, need, nfull = _token_counts(layout, C, T, h, num_tokens)
@@ -423,8 +429,7 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     held = pool.ref_count[rows] > 0
     mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
     last_hit = jnp.take_along_axis(rows, jnp.maximum(nhit - 1, 0)[:, None, None], axis=2)[:, :, 0]  # [B, G]
-    key_slot = cache.block_slot[last_hit]
-    stale = mamba_g[None] & (nhit[:, None] > 0) & (key_slot >= 0) & state.step_cached[jnp.maximum(key_slot, 0)]
+    stale = mamba_g[None] & (nhit[:, None] > 0) & _cached_this_step(layout, state, last_hit)
     max_new = B * G * M
     pop = P.pop_plan(pool, total, max_new)
     fast = (
@@ -445,14 +450,12 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
         p = replace(p, ref_count=p.ref_count.at[jnp.where(touched > 0, touched, layout.num_blocks)].add(
             1, mode="drop"))
         c = BP.pc.evict_alone(BP.mark_hit(state.bp.cache, touched), pop.ids)
-        # A key the lookup found is gone if the pop evicted its (only) block: its slot is a tombstone now.
-        found = jnp.where((key_slots >= 0) & (c.group[jnp.maximum(key_slots, 0)] >= 0), key_slots, -1)
-        c = BP.pc.insert_many(c, jnp.where(new_cached, rows, 0).reshape(-1), keys.reshape(-1, 4), groups.reshape(-1),
-                              found=found.reshape(-1))
-        marked = new_cached & mamba_g[None, :, None]
-        size = state.step_cached.shape[0]
-        step_cached = state.step_cached.at[
-            jnp.where(marked, c.block_slot[jnp.where(marked, rows, 0)], size)].set(True, mode="drop")
+        # A hash the lookup found is gone if the pop evicted its slot's last entry: a tombstone now.
+        found = jnp.where((hash_slots >= 0) & (c.used[jnp.maximum(hash_slots, 0)] > 0), hash_slots, -1)
+        new_rows = jnp.swapaxes(jnp.where(new_cached, rows, 0)[:, :, :H], 1, 2)  # [B, H, G]: a row per hash
+        c = BP.pc.insert_rows(c, new_rows.reshape(B * H, G), hashes.reshape(-1, 4), found=found.reshape(-1))
+        marked = jnp.where(new_cached & mamba_g[None, :, None], rows, 0)
+        step_cached = state.step_cached.at[layout.step_cached_index(c, marked)].set(True, mode="drop")
         st = _replace(
             state,
             bp=BP.BlockPoolState(pool=p, cache=c),
@@ -549,7 +552,7 @@ class _DecodePlan(NamedTuple):
     new_block: jax.Array  # i32[B, G]: the new block of each (request, group), 0 = none
     blk: jax.Array        # i32[B, G]: the block this token filled
     todo: jax.Array       # bool[B, G]: ... and it enters the prefix cache
-    keys: jax.Array       # u32[B, G, 4]: its block hash
+    keys: jax.Array       # u32[B, 4]: its block hash (the same block index in every group)
 
 
 def decode_step(layout: Layout, state: AllocatorState, slots, fallback: bool = True):
@@ -694,7 +697,8 @@ def _decode(layout: Layout, state: AllocatorState, slots, fallback: bool, count_
         blk = jnp.stack([jnp.where((cnt[:, g] > 0) & (new_idx[:, g] == before[:, g]), new_block[:, g],
                                    entry(state.tables, g, before[:, g])) for g in range(G)], 1)
         todo = (nfull[:, None] > before) & (blk > 0)
-        keys = state.hashes[slots[:, None], jnp.minimum(before, state.hashes.shape[1] - 1)]  # [B, G, 4]
+        # Vectorised, a block is cached only where before == nfull - 1: one hash per request.
+        keys = state.hashes[slots, jnp.clip(nfull - 1, 0, state.hashes.shape[1] - 1)]  # [B, 4]
         many = jnp.bool_(False)
         if release_groups:
             # Free calls releasing several blocks (the first step after a long prefill): still vectorised
@@ -707,7 +711,6 @@ def _decode(layout: Layout, state: AllocatorState, slots, fallback: bool, count_
         branch = jnp.where(fast, 1, jnp.where(many, 2, 3)).astype(jnp.int32)
         return _DecodePlan(branch, releases, pop, new_block, blk, todo, keys)
 
-    groups = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32), (B, G))
     mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
     last_new = jnp.stack([jnp.where((cnt[:, g] > 0) & (lens[:, g] > 0), lens[:, g] - 1, last_state[:, g])
                           if layout.is_mamba(g) else last_state[:, g] for g in range(G)], 1)
@@ -721,11 +724,9 @@ def _decode(layout: Layout, state: AllocatorState, slots, fallback: bool, count_
         p = P.pop_apply(_apply_releases(state.bp.pool, releases), plan.pop)
         c = BP.pc.evict_alone(state.bp.cache, plan.pop.ids)
         todo, blk = plan.todo, plan.blk
-        c = BP.pc.insert_many(c, jnp.where(todo, blk, 0).reshape(-1), plan.keys.reshape(-1, 4), groups.reshape(-1))
-        marked = todo & mamba_g[None, :]
-        size = state.step_cached.shape[0]
-        step_cached = state.step_cached.at[
-            jnp.where(marked, c.block_slot[jnp.where(marked, blk, 0)], size)].set(True, mode="drop")
+        c = BP.pc.insert_rows(c, jnp.where(todo, blk, 0), plan.keys)
+        marked = jnp.where(todo & mamba_g[None, :], blk, 0)
+        step_cached = state.step_cached.at[layout.step_cached_index(c, marked)].set(True, mode="drop")
         # Table entries: the released ones become null, the new block goes in.
         tables = state.tables.at[slots[:, None], jnp.arange(G)[None, :],
                                  jnp.where(cnt > 0, new_idx, M)].set(plan.new_block, mode="drop")

@@ -1,12 +1,15 @@
 """The device-resident prefix cache: (block hash, group id) -> block, as arrays.
 
-An open-addressing hash table (linear probing, tombstones) maps a key to the
-*oldest* block cached under it; further blocks cached under the same key
-(two requests computed the same block) are counted in ``dups`` and remember
-their slot, so that evicting the oldest promotes the next oldest, as vLLM's
-map of blocks per hash does. Every operation is a pure function over the
+An open-addressing hash table (linear probing, tombstones) of block hashes; a
+slot holds one hash and a row of ``G`` entries, one per KV cache group, each
+the *oldest* block cached under (hash, group). All groups of a model hash the
+same tokens, so one probe serves every group and a prefill's claims and writes
+go per hash row, not per (hash, group) key. Further blocks cached under the
+same entry (two requests computed the same block) are counted in ``dups`` and
+remember their entry, so that evicting the oldest promotes the next oldest, as
+vLLM's map of blocks per hash does. Every operation is a pure function over the
 ``PrefixCache`` pytree; probes are ``lax.while_loop``s bounded by the table
-size, lookups ``vmap`` over a batch.
+size, lookups ``vmap`` over a batch. An *entry id* is ``slot * G + group``.
 """
 
 from __future__ import annotations
@@ -18,21 +21,24 @@ import jax.numpy as jnp
 
 from hkv_jax.allocator.pool import running_count
 
-EMPTY, TOMBSTONE = -1, -2
+EMPTY, TOMBSTONE = -1, 0  # values of ``used``; a live slot counts its entries (> 0)
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class PrefixCache:
-    """Prefix-cache table of ``num_slots`` slots for a pool of ``num_blocks`` blocks.
+    """Prefix-cache table of ``num_slots`` slots x ``G`` groups for a pool of ``num_blocks`` blocks.
 
     Fields:
       keys: ``u32[num_slots, 4]`` block hash of each slot.
-      group: ``i32[num_slots]`` KV cache group of the slot's key; ``EMPTY`` or ``TOMBSTONE``.
-      block: ``i32[num_slots]`` the oldest block cached under the key.
-      dups: ``i32[num_slots]`` how many more blocks are cached under the key (0 at empty and
-        tombstone slots: a key leaves only when it holds no duplicate).
-      block_slot: ``i32[num_blocks]`` slot of the key a block is cached under; -1 when not cached.
+      used: ``i32[num_slots]`` how many groups have an entry in the slot; ``EMPTY`` (-1) for a slot
+        never used, ``TOMBSTONE`` (0) for one whose entries all left (probes walk past it).
+      block: ``i32[num_slots, G]`` the oldest block cached under (slot's hash, group); 0 for none
+        (every entry of a free slot is 0).
+      dups: ``i32[num_slots, G]`` how many more blocks are cached under the entry (0 at empty entries:
+        an entry leaves only when it holds no duplicate).
+      block_slot: ``i32[num_blocks]`` entry id (``slot * G + group``) a block is cached under; -1 when
+        not cached.
       cached_at: ``i32[num_blocks]`` insertion clock of each cached block (oldest first).
       hit: ``bool[num_blocks]`` the block served a prefix hit since it was cached (a shared prefix:
         window-aware eviction keeps it at the back of the free queue).
@@ -40,7 +46,7 @@ class PrefixCache:
     """
 
     keys: jax.Array
-    group: jax.Array
+    used: jax.Array
     block: jax.Array
     dups: jax.Array
     block_slot: jax.Array
@@ -48,18 +54,26 @@ class PrefixCache:
     hit: jax.Array
     clock: jax.Array
 
+    @property
+    def num_groups(self) -> int:
+        """G, the entries per slot."""
+        return self.block.shape[1]
 
-def init_prefix_cache(num_blocks: int, num_slots: int | None = None) -> PrefixCache:
-    """An empty cache; ``num_slots`` (a power of two) defaults to the first >= 2 x num_blocks."""
+
+def init_prefix_cache(num_blocks: int, num_slots: int | None = None, num_groups: int = 1) -> PrefixCache:
+    """An empty cache for ``num_groups`` KV cache groups; ``num_slots`` (a power of two) defaults to
+    the first >= 2 x num_blocks (every cached block may carry a hash of its own)."""
     if num_slots is None:
         num_slots = 1 << max(1, (2 * num_blocks - 1).bit_length())
     if num_slots & (num_slots - 1) or num_slots < num_blocks:
         raise ValueError(f"num_slots must be a power of two >= num_blocks, got {num_slots}")
+    if num_groups < 1:
+        raise ValueError(f"num_groups must be >= 1, got {num_groups}")
     return PrefixCache(
         keys=jnp.zeros((num_slots, 4), jnp.uint32),
-        group=jnp.full(num_slots, EMPTY, jnp.int32),
-        block=jnp.zeros(num_slots, jnp.int32),
-        dups=jnp.zeros(num_slots, jnp.int32),
+        used=jnp.full(num_slots, EMPTY, jnp.int32),
+        block=jnp.zeros((num_slots, num_groups), jnp.int32),
+        dups=jnp.zeros((num_slots, num_groups), jnp.int32),
         block_slot=jnp.full(num_blocks, -1, jnp.int32),
         cached_at=jnp.zeros(num_blocks, jnp.int32),
         hit=jnp.zeros(num_blocks, bool),
@@ -67,45 +81,61 @@ def init_prefix_cache(num_blocks: int, num_slots: int | None = None) -> PrefixCa
     )
 
 
-def _home(cache: PrefixCache, key: jax.Array, group: jax.Array) -> jax.Array:
-    mask = cache.group.shape[0] - 1
-    mixed = key[0] ^ (key[1] * jnp.uint32(0x9E3779B1)) ^ (group.astype(jnp.uint32) * jnp.uint32(0x85EBCA6B))
+def _home(cache: PrefixCache, key: jax.Array) -> jax.Array:
+    mask = cache.used.shape[0] - 1
+    mixed = key[0] ^ (key[1] * jnp.uint32(0x9E3779B1))
     return (mixed & jnp.uint32(mask)).astype(jnp.int32)
 
 
-def _probe(cache: PrefixCache, key: jax.Array, group: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(slot holding the key or -1, first free slot on the probe path: tombstone or empty, or -1)."""
-    size = cache.group.shape[0]
+def _probe(cache: PrefixCache, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(slot holding the hash or -1, first free slot on the probe path: tombstone or empty, or -1)."""
+    size = cache.used.shape[0]
     mask = size - 1
 
     def cond(c):
         i, slot, found, free = c
-        return (i < size) & (found < 0) & (cache.group[slot] != EMPTY)
+        return (i < size) & (found < 0) & (cache.used[slot] != EMPTY)
 
     def body(c):
         i, slot, found, free = c
-        hit = (cache.group[slot] == group) & jnp.all(cache.keys[slot] == key)
+        hit = (cache.used[slot] > 0) & jnp.all(cache.keys[slot] == key)
         found = jnp.where(hit, slot, found)
-        free = jnp.where((free < 0) & (cache.group[slot] == TOMBSTONE), slot, free)
+        free = jnp.where((free < 0) & (cache.used[slot] == TOMBSTONE), slot, free)
         return i + 1, (slot + 1) & mask, found, free
 
-    i, slot, found, free = jax.lax.while_loop(cond, body, (jnp.int32(0), _home(cache, key, group), jnp.int32(-1), jnp.int32(-1)))
+    i, slot, found, free = jax.lax.while_loop(cond, body, (jnp.int32(0), _home(cache, key), jnp.int32(-1), jnp.int32(-1)))
     free = jnp.where((free < 0) & (i < size) & (found < 0), slot, free)
     return found, free
 
 
+def find_slots(cache: PrefixCache, keys: jax.Array) -> jax.Array:
+    """Slot holding each hash of ``keys: u32[..., 4]``, -1 when none (``i32[...]``; batch dims vmapped)."""
+    flat = keys.reshape(-1, 4)
+    return jax.vmap(lambda k: _probe(cache, k)[0])(flat).reshape(keys.shape[:-1])
+
+
+def row_entries(cache: PrefixCache, slots: jax.Array) -> jax.Array:
+    """``i32[..., G]``: entry id of every group at each of ``slots`` (``find_slots``), -1 where the
+    group has no block (or the slot is -1). One row read per slot."""
+    G = cache.num_groups
+    rows = cache.block[jnp.maximum(slots, 0)]
+    ids = slots[..., None] * G + jnp.arange(G, dtype=jnp.int32)
+    return jnp.where((slots[..., None] >= 0) & (rows > 0), ids, -1)
+
+
 def find(cache: PrefixCache, keys: jax.Array, groups: jax.Array) -> jax.Array:
-    """Slot holding each (``keys[i]``, ``groups[i]``), -1 when not cached.
+    """Entry id of each (``keys[i]``, ``groups[i]``), -1 when not cached.
 
     ``keys`` is ``u32[..., 4]``, ``groups`` ``i32[...]``; batch dims are vmapped.
     """
-    flat_k, flat_g = keys.reshape(-1, 4), groups.reshape(-1)
-    return jax.vmap(lambda k, g: _probe(cache, k, g)[0])(flat_k, flat_g).reshape(groups.shape)
+    slots = find_slots(cache, keys)
+    ids = slots * cache.num_groups + groups
+    return jnp.where((slots >= 0) & (block_at(cache, jnp.where(slots >= 0, ids, -1)) > 0), ids, -1)
 
 
-def block_at(cache: PrefixCache, slots: jax.Array) -> jax.Array:
-    """The (oldest) block cached at each of ``slots`` (from ``find``), 0 (the null block) for -1."""
-    return jnp.where(slots >= 0, cache.block[jnp.maximum(slots, 0)], 0)
+def block_at(cache: PrefixCache, entries: jax.Array) -> jax.Array:
+    """The (oldest) block cached at each of ``entries`` (from ``find``), 0 (the null block) for -1."""
+    return jnp.where(entries >= 0, cache.block.reshape(-1)[jnp.maximum(entries, 0)], 0)
 
 
 def lookup(cache: PrefixCache, keys: jax.Array, groups: jax.Array) -> jax.Array:
@@ -120,18 +150,22 @@ def _set(arr: jax.Array, i, value, when) -> jax.Array:
 
 def insert(cache: PrefixCache, block: jax.Array, key: jax.Array, group: jax.Array) -> PrefixCache:
     """Cache ``block`` (not cached now, > 0) under (``key``, ``group``); a no-op for block 0."""
-    found, free = _probe(cache, key, group)
+    G = cache.num_groups
+    found, free = _probe(cache, key)
     slot = jnp.where(found >= 0, found, free)
     do = (block > 0) & (slot >= 0)
     s = jnp.where(do, slot, 0)
-    new_key = do & (found < 0)
+    e = s * G + group
+    flat_block, flat_dups = cache.block.reshape(-1), cache.dups.reshape(-1)
+    opens = do & (flat_block[e] == 0)  # the first block under (hash, group)
+    new_slot = do & (found < 0)
     b = jnp.maximum(block, 0)
     return PrefixCache(
-        keys=_set(cache.keys, s, key, new_key),
-        group=_set(cache.group, s, group, new_key),
-        block=_set(cache.block, s, block, new_key),
-        dups=_set(cache.dups, s, jnp.where(new_key, 0, cache.dups[s] + 1), do),
-        block_slot=_set(cache.block_slot, b, s, do),
+        keys=_set(cache.keys, s, key, new_slot),
+        used=_set(cache.used, s, jnp.where(new_slot, 1, cache.used[s] + 1), opens),
+        block=_set(flat_block, e, block, opens).reshape(cache.block.shape),
+        dups=_set(flat_dups, e, jnp.where(opens, 0, flat_dups[e] + 1), do).reshape(cache.dups.shape),
+        block_slot=_set(cache.block_slot, b, e, do),
         cached_at=_set(cache.cached_at, b, cache.clock, do),
         hit=_set(cache.hit, b, False, do),
         clock=cache.clock + do.astype(jnp.int32),
@@ -139,26 +173,29 @@ def insert(cache: PrefixCache, block: jax.Array, key: jax.Array, group: jax.Arra
 
 
 def evict(cache: PrefixCache, block: jax.Array) -> PrefixCache:
-    """Drop ``block``'s cache entry, if it has one; the next oldest duplicate takes over the key."""
+    """Drop ``block``'s cache entry, if it has one; the next oldest duplicate takes over the entry."""
+    G = cache.num_groups
+    flat_block, flat_dups = cache.block.reshape(-1), cache.dups.reshape(-1)
     b = jnp.maximum(block, 0)
-    s = cache.block_slot[b]
-    has = (block > 0) & (s >= 0)
-    s0 = jnp.maximum(s, 0)
-    is_head = has & (cache.block[s0] == block)
-    has_dups = cache.dups[s0] > 0
+    e = cache.block_slot[b]
+    has = (block > 0) & (e >= 0)
+    e0 = jnp.maximum(e, 0)
+    is_head = has & (flat_block[e0] == block)
+    has_dups = flat_dups[e0] > 0
 
     def successor(_):
         # Only when the oldest of several duplicates leaves: one O(num_blocks) search.
-        others = (cache.block_slot == s) & (jnp.arange(cache.block_slot.shape[0]) != block)
+        others = (cache.block_slot == e) & (jnp.arange(cache.block_slot.shape[0]) != block)
         return jnp.argmin(jnp.where(others, cache.cached_at, jnp.iinfo(jnp.int32).max)).astype(jnp.int32)
 
     promote = is_head & has_dups
+    leaves = is_head & ~has_dups  # the entry empties; the slot turns into a tombstone with its last entry
     nxt = jax.lax.cond(promote, successor, lambda _: jnp.int32(0), None)
     return replace(
         cache,
-        group=_set(cache.group, s0, TOMBSTONE, is_head & ~has_dups),
-        block=_set(cache.block, s0, nxt, promote),
-        dups=_set(cache.dups, s0, cache.dups[s0] - 1, has & has_dups),
+        used=_set(cache.used, e0 // G, cache.used[e0 // G] - 1, leaves),
+        block=_set(flat_block, e0, nxt, is_head).reshape(cache.block.shape),
+        dups=_set(flat_dups, e0, flat_dups[e0] - 1, has & has_dups).reshape(cache.dups.shape),
         block_slot=_set(cache.block_slot, b, -1, has),
     )
 
@@ -170,29 +207,31 @@ def is_cached(cache: PrefixCache) -> jax.Array:
 
 def reset(cache: PrefixCache) -> PrefixCache:
     """Drop every entry (``reset_prefix_cache``; the caller checks that no block is held)."""
-    return init_prefix_cache(cache.block_slot.shape[0], cache.group.shape[0])
+    return init_prefix_cache(cache.block_slot.shape[0], cache.used.shape[0], cache.num_groups)
 
 
 # --- batched updates (same results as the one-at-a-time functions, in the given order) --------
 
 
 def needs_promotion(cache: PrefixCache, blocks: jax.Array) -> jax.Array:
-    """``bool[K]``: which ids of ``blocks`` are cached under a key that also holds other blocks."""
+    """``bool[K]``: which ids of ``blocks`` are cached under an entry that also holds other blocks."""
     b = jnp.maximum(blocks, 0)
-    s = cache.block_slot[b]
-    return (blocks > 0) & (s >= 0) & (cache.dups[jnp.maximum(s, 0)] > 0)
+    e = cache.block_slot[b]
+    return (blocks > 0) & (e >= 0) & (cache.dups.reshape(-1)[jnp.maximum(e, 0)] > 0)
 
 
 def evict_alone(cache: PrefixCache, blocks: jax.Array) -> PrefixCache:
-    """``evict`` each id of ``blocks: i32[K]`` that is the only block under its key, in one update
-    (such keys are independent of every other block's). Other ids are left alone."""
-    n, size = cache.block_slot.shape[0], cache.group.shape[0]
+    """``evict`` each id of ``blocks: i32[K]`` that is the only block under its entry, in one update
+    (such entries are independent of every other block's). Other ids are left alone."""
+    n, size, G = cache.block_slot.shape[0], cache.used.shape[0], cache.num_groups
     b = jnp.maximum(blocks, 0)
-    s = cache.block_slot[b]
-    alone = (blocks > 0) & (s >= 0) & ~needs_promotion(cache, blocks)
+    e = cache.block_slot[b]
+    alone = (blocks > 0) & (e >= 0) & ~needs_promotion(cache, blocks)
     return replace(
         cache,
-        group=cache.group.at[jnp.where(alone, s, size)].set(TOMBSTONE, mode="drop"),
+        # A slot whose last entry leaves drops to 0 used: a tombstone.
+        used=cache.used.at[jnp.where(alone, e // G, size)].add(-1, mode="drop"),
+        block=cache.block.reshape(-1).at[jnp.where(alone, e, size * G)].set(0, mode="drop").reshape(size, G),
         block_slot=cache.block_slot.at[jnp.where(alone, b, n)].set(-1, mode="drop"),
     )
 
@@ -200,7 +239,7 @@ def evict_alone(cache: PrefixCache, blocks: jax.Array) -> PrefixCache:
 def evict_many(cache: PrefixCache, blocks: jax.Array) -> PrefixCache:
     """``evict`` each id of ``blocks: i32[K]`` in order (0 entries are skipped; ids distinct).
 
-    Blocks alone under their key go in one vectorised update; blocks whose key
+    Blocks alone under their entry go in one vectorised update; blocks whose entry
     has duplicates go through ``evict`` one by one, in order.
     """
     rest = needs_promotion(cache, blocks)
@@ -210,41 +249,55 @@ def evict_many(cache: PrefixCache, blocks: jax.Array) -> PrefixCache:
 
 
 def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: jax.Array,
-                claims: str = "auto", found: jax.Array | None = None) -> PrefixCache:
+                claims: str = "auto") -> PrefixCache:
     """``insert`` each non-null ``blocks[i]`` (not cached now; ids distinct) under (``keys[i]``, ``groups[i]``), in order.
 
-    ``blocks: i32[K]``, ``keys: u32[K, 4]``, ``groups: i32[K]``. Keys already in
-    the table gain a duplicate; the others claim slots in rounds: every pending
-    key looks at its probe slot, joins it if an earlier key of the batch
-    claimed it for the same key, claims it if free (the earliest claimant
-    wins; the others look again next round) or moves on. The rounds touch only
-    the batch's claims, so the table is written once, after them. Slots may differ
-    from one-by-one inserts, but every key stays reachable from its home slot,
-    and which block a lookup returns (the oldest) and the duplicate counts are
-    the same. ``claims`` (static): ``table`` keeps the claims in a table-sized
-    array, ``sorted`` in the batch's own sorted slots, ``auto`` picks by size.
-    ``found: i32[K]``, optional: each key's slot in ``cache`` now (``find``), when the caller has it
-    (a prefill looked the keys up): saves a probe per key.
+    ``blocks: i32[K]``, ``keys: u32[K, 4]``, ``groups: i32[K]``: ``insert_rows`` with one block per row.
     """
-    K, size, n = blocks.shape[0], cache.group.shape[0], cache.block_slot.shape[0]
+    G = cache.num_groups
+    rows = jnp.where(jnp.arange(G, dtype=jnp.int32)[None, :] == groups[:, None], blocks[:, None], 0)
+    return insert_rows(cache, rows, keys, claims)
+
+
+def insert_rows(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, claims: str = "auto",
+                found: jax.Array | None = None) -> PrefixCache:
+    """``insert`` each non-null ``blocks[k, g]`` (not cached now; ids distinct) under (``keys[k]``, ``g``),
+    in row-major order.
+
+    ``blocks: i32[K, G]``, ``keys: u32[K, 4]``. Hashes already in the table fill
+    entries in their slot; the other rows claim slots in rounds: every pending
+    row looks at its probe slot, joins it if an earlier row of the batch claimed
+    it for the same hash, claims it if free (the earliest claimant wins; the
+    others look again next round) or moves on. The rounds touch only the
+    batch's claims, so the table is written once, after them, a row at a time.
+    Slots may differ from one-by-one inserts, but every hash stays reachable from
+    its home slot, and which block a lookup returns (the oldest) and the duplicate
+    counts are the same. ``claims`` (static): ``table`` keeps the claims in a
+    table-sized array, ``sorted`` in the batch's own sorted slots, ``auto`` picks
+    by size. ``found: i32[K]``, optional: each row's slot in ``cache`` now
+    (``find_slots``), when the caller has it (a prefill looked the hashes up):
+    saves a probe per row.
+    """
+    K, G = blocks.shape
+    size, n = cache.used.shape[0], cache.block_slot.shape[0]
     mask = size - 1
-    do = blocks > 0
-    rank = running_count(do) - 1                                         # insertion order among the real ones
+    do = blocks > 0                                                       # [K, G]
+    row_do = jnp.any(do, axis=1)
     if found is None:
-        found = find(cache, keys, groups)
+        found = find_slots(cache, keys)
     idx = jnp.arange(K, dtype=jnp.int32)
-    home = jax.vmap(lambda k, g: _home(cache, k, g))(keys, groups)
+    home = jax.vmap(lambda k: _home(cache, k))(keys)
     big = jnp.iinfo(jnp.int32).max
     # Claims of this batch: a claim array over the table (filled once, then O(K) per round) unless the
     # batch is tiny next to the table; else the batch's own claimed slots, sorted each round (O(K log K)
-    # per round, no table-sized array). A sort per round costs more than a fill of 128 slots per key.
+    # per round, no table-sized array). A sort per round costs more than a fill of 128 slots per row.
     if claims not in ("auto", "table", "sorted"):
         raise ValueError(f"claims must be auto, table or sorted, got {claims!r}")
     by_table = claims == "table" or (claims == "auto" and K * 128 >= size)
 
     def claims_at(claimed, probe):
-        """Owner (batch index) of each probe slot, ``big`` if unclaimed; with table claims, -1 where the
-        table holds a key (one gather answers both)."""
+        """Owner (batch row) of each probe slot, ``big`` if unclaimed; with table claims, -1 where the
+        table holds a hash (one gather answers both)."""
         if by_table:
             return claimed[probe]
         order = jnp.argsort(claimed)
@@ -253,7 +306,7 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
         return jnp.where(srt[at] == probe, order[at], big)
 
     def contest(claimed, free, probe, lane):
-        """The earliest free key at each probe slot wins it: (claimed, won)."""
+        """The earliest free row at each probe slot wins it: (claimed, won)."""
         if by_table:
             claimed = claimed.at[jnp.where(free, probe, size)].min(lane, mode="drop")
             return claimed, free & (claimed[probe] == lane)
@@ -264,14 +317,13 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
         won = jnp.zeros(K, bool).at[order].set(first)
         return jnp.where(won, probe, claimed), won
 
-    def body(c, lane, lane_keys, lane_groups):
-        """One round for the batch keys ``lane`` (per-lane ``pending``, ``probe``, ``slot_of``)."""
+    def body(c, lane, lane_keys):
+        """One round for the batch rows ``lane`` (per-lane ``pending``, ``probe``, ``slot_of``)."""
         claimed, pending, probe, slot_of = c
         o = claims_at(claimed, probe)
-        taken = o < 0 if by_table else cache.group[probe] >= 0
+        taken = o < 0 if by_table else cache.used[probe] > 0
         is_claimed = (o >= 0) & (o < big)
-        oc = jnp.clip(o, 0, K - 1)
-        same = is_claimed & (groups[oc] == lane_groups) & jnp.all(keys[oc] == lane_keys, axis=-1)
+        same = is_claimed & jnp.all(keys[jnp.clip(o, 0, K - 1)] == lane_keys, axis=-1)
         joined = pending & same
         free = pending & ~taken & ~is_claimed
         claimed, won = contest(claimed, free, probe, lane)
@@ -279,10 +331,10 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
         moved = pending & (taken | (is_claimed & ~same))
         return claimed, pending & ~(won | joined), jnp.where(moved, (probe + 1) & mask, probe), slot_of
 
-    init = jnp.where(cache.group >= 0, -1, big) if by_table else jnp.full(K, big, jnp.int32)
-    c = (init, do & (found < 0), home, found)
-    # Each round settles most pending keys (on an empty table: 89% of them, then about 70%), so with table
-    # claims the rounds run over fewer and fewer lanes: at each level, until the pending keys fit the next
+    init = jnp.where(cache.used > 0, -1, big) if by_table else jnp.full(K, big, jnp.int32)
+    c = (init, row_do & (found < 0), home, jnp.where(row_do, found, -1))
+    # Each round settles most pending rows (on an empty table: 89% of them, then about 70%), so with table
+    # claims the rounds run over fewer and fewer lanes: at each level, until the pending rows fit the next
     # level's lanes (an eighth), then over those only. This halves the lane-rounds of a big batch. A small
     # batch (sorted claims) runs all its rounds over every lane.
     lane = idx
@@ -291,12 +343,8 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
         caps.append(caps[-1] // 8)
     for level, cap in enumerate(caps):
         nxt = caps[level + 1] if level + 1 < len(caps) else 0
-        if level == 0:
-            lane_keys, lane_groups = keys, groups
-        else:
-            lane_c = jnp.minimum(lane, K - 1)
-            lane_keys, lane_groups = keys[lane_c], groups[lane_c]
-        c = jax.lax.while_loop(lambda c: jnp.sum(c[1]) > nxt, lambda c: body(c, lane, lane_keys, lane_groups), c)
+        lane_keys = keys if level == 0 else keys[jnp.minimum(lane, K - 1)]
+        c = jax.lax.while_loop(lambda c: jnp.sum(c[1]) > nxt, lambda c: body(c, lane, lane_keys), c)
         claimed, pending, probe, slot_c = c
         slot_of = slot_c if level == 0 else slot_of.at[lane].set(slot_c, mode="drop")  # padding lanes drop
         if nxt:
@@ -304,18 +352,49 @@ def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: 
             sel_c = jnp.minimum(sel, cap - 1)
             lane = jnp.where(sel < cap, lane[sel_c], K).astype(jnp.int32)
             c = (claimed, pending[sel_c] & (sel < cap), probe[sel_c], slot_c[sel_c])
-    owner = claims_at(claimed, jnp.maximum(slot_of, 0))
-    opened = do & (found < 0) & (owner == idx)                        # first block under a new key
-    tgt = jnp.where(opened, slot_of, size)
-    dup = do & ~opened                                                   # every other block joins a key
+    won = row_do & (found < 0) & (claims_at(claimed, jnp.maximum(slot_of, 0)) == idx)  # opened a slot
+    at = jnp.where(row_do, slot_of, size)                                # rows write whole table rows
+    gids = jnp.arange(G, dtype=jnp.int32)
+
+    flat_b = jnp.where(do, blocks, n).reshape(-1)
+
+    def own_slots(arrays):
+        """Every row opened a slot of its own (new hashes, the usual prefill): its entries all open, and
+        no two of its blocks share an entry, so they can share one insertion time."""
+        block, used, dups, cached_at = arrays
+        return (block.at[at].set(jnp.where(do, blocks, 0), mode="drop"),
+                used.at[at].set(jnp.sum(do, axis=1, dtype=jnp.int32), mode="drop"), dups,
+                cached_at.at[flat_b].set(cache.clock, mode="drop"))
+
+    def shared_slots(arrays):
+        """Rows fill entries of slots the table or an earlier row holds: the first block (batch order)
+        under an entry empty before the batch opens it, every other block is a duplicate. The rows of
+        one slot pick the first with markers written in the table itself: min of (flat index - K * G)
+        < 0 over the rows, where the entry is 0 (a free slot's entries all are)."""
+        block, used, dups, cached_at = arrays
+        before = block[jnp.maximum(slot_of, 0)]                          # [K, G]
+        marker = idx[:, None] * G + gids[None, :] - K * G
+        cand = do & (before == 0)
+        block = block.at[at].min(jnp.where(cand, marker, big), mode="drop")
+        opened = cand & (block[jnp.maximum(slot_of, 0)] == marker)
+        block = block.at[at].max(jnp.where(opened, blocks, -big), mode="drop")  # each marker's owner opened it
+        used = used.at[jnp.where(won, slot_of, size)].set(0, mode="drop")
+        used = used.at[at].add(jnp.sum(opened, axis=1, dtype=jnp.int32), mode="drop")
+        rank = running_count(do.reshape(-1)) - 1                         # insertion order among the real ones
+        return (block, used, dups.at[at].add((do & ~opened).astype(jnp.int32), mode="drop"),  # opened: 0
+                cached_at.at[flat_b].set(cache.clock + rank, mode="drop"))
+
+    block, used, dups, cached_at = jax.lax.cond(jnp.all(won == row_do), own_slots, shared_slots,
+                                                (cache.block, cache.used, cache.dups, cache.cached_at))
+    entry = slot_of[:, None] * G + gids[None, :]
     return replace(
         cache,
-        keys=cache.keys.at[tgt].set(keys, mode="drop"),
-        group=cache.group.at[tgt].set(groups, mode="drop"),
-        block=cache.block.at[tgt].set(blocks, mode="drop"),
-        dups=cache.dups.at[jnp.where(dup, slot_of, size)].add(1, mode="drop"),  # an opened slot's is 0
-        block_slot=cache.block_slot.at[jnp.where(do, blocks, n)].set(slot_of, mode="drop"),
-        cached_at=cache.cached_at.at[jnp.where(do, blocks, n)].set(cache.clock + rank, mode="drop"),
-        hit=cache.hit.at[jnp.where(do, blocks, n)].set(False, mode="drop"),
+        keys=cache.keys.at[jnp.where(won, slot_of, size)].set(keys, mode="drop"),
+        used=used,
+        block=block,
+        dups=dups,
+        block_slot=cache.block_slot.at[flat_b].set(entry.reshape(-1), mode="drop"),
+        cached_at=cached_at,
+        hit=cache.hit.at[flat_b].set(False, mode="drop"),
         clock=cache.clock + jnp.sum(do, dtype=jnp.int32),
     )

@@ -93,6 +93,23 @@ class Layout:
         """Whether group ``g`` holds Mamba states."""
         return isinstance(self.groups[g].spec, MambaSpec)
 
+    @property
+    def mamba_groups(self) -> tuple[int, ...]:
+        """The groups that hold Mamba states, in order."""
+        return tuple(g for g in range(self.num_groups) if self.is_mamba(g))
+
+    def step_cached_index(self, cache, blocks: jax.Array) -> jax.Array:
+        """Index into ``AllocatorState.step_cached`` of the prefix-cache entry (slot, Mamba group) each
+        of ``blocks`` is cached under; ``step_cached``'s size where it is not cached in a Mamba group."""
+        G, mamba = self.num_groups, self.mamba_groups
+        size = cache.used.shape[0] * len(mamba)
+        if not mamba:
+            return jnp.full(blocks.shape, size, jnp.int32)
+        nth = jnp.array([mamba.index(g) if g in mamba else -1 for g in range(G)], jnp.int32)
+        e = cache.block_slot[jnp.maximum(blocks, 0)]
+        m = nth[jnp.maximum(e, 0) % G]
+        return jnp.where((blocks > 0) & (e >= 0) & (m >= 0), e // G * len(mamba) + m, size)
+
     def evicts_early(self, g: int) -> bool:
         """Whether blocks leaving group ``g``'s window go to the queue front (window-aware eviction)."""
         return self.window_aware_eviction and isinstance(self.groups[g].spec, (SlidingWindowSpec, ChunkedLocalSpec))
@@ -105,7 +122,8 @@ class AllocatorState:
 
     Fields:
       bp: the block pool (free queue + prefix cache).
-      step_cached: ``bool[num_slots]`` prefix-cache keys a Mamba group cached during the current step.
+      step_cached: ``bool[num_slots * num_mamba_groups]`` prefix-cache entries (slot, Mamba group) a Mamba
+        group cached during the current step (``Layout.step_cached_index``).
       status: ``i32[R]`` EMPTY / WAITING / RUNNING per request slot.
       tokens: ``i32[R, T]`` known tokens of each request; ``num_tokens``: ``i32[R]``.
       salt: ``u32[R, 1]`` cache salt (keys the first block's hash).
@@ -136,13 +154,13 @@ class AllocatorState:
 def init_state(layout: Layout) -> AllocatorState:
     """An empty allocator: every block free, no request, nothing cached (a jitted call; ``layout`` static)."""
     R, G, M, T = layout.max_requests, layout.num_groups, layout.max_blocks, layout.max_model_len
-    bp = BP.init_block_pool(layout.num_blocks)
+    bp = BP.init_block_pool(layout.num_blocks, G)
     def zeros_rg():  # separate buffers: donation must not see one array twice
         return jnp.zeros((R, G), jnp.int32)
 
     return AllocatorState(
         bp=bp,
-        step_cached=jnp.zeros(bp.cache.group.shape[0], bool),
+        step_cached=jnp.zeros(bp.cache.used.shape[0] * len(layout.mamba_groups), bool),
         status=jnp.zeros(R, jnp.int32),
         tokens=jnp.zeros((R, T), jnp.int32),
         num_tokens=jnp.zeros(R, jnp.int32),
