@@ -105,11 +105,22 @@ def pop_plan(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOL
     width = min(max_count + slack, n)
     abs_pos = pool.head + jnp.arange(width)
     entries = jnp.where(abs_pos < pool.tail, pool.queue[abs_pos % n], 0)
-    rank = running_count(entries > 0)
-    take = (entries > 0) & (rank <= count)
-    # Slot of the k-th taken block is where rank first reaches k.
-    ids = jnp.zeros(max_count, jnp.int32).at[jnp.where(take, rank - 1, max_count)].set(entries, mode="drop")
-    return PopPlan(ids, take, entries, rank[-1] >= jnp.minimum(count, pool.num_free))
+    lanes = jnp.arange(width)
+
+    def solid():
+        """No hole among the first ``count`` entries (the usual case): they are the blocks."""
+        ids = jnp.where(lanes < count, entries, 0)
+        return jnp.pad(ids, (0, max(max_count - width, 0)))[:max_count], lanes < count, jnp.bool_(True)
+
+    def holes():
+        rank = running_count(entries > 0)
+        take = (entries > 0) & (rank <= count)
+        # Slot of the k-th taken block is where rank first reaches k.
+        ids = jnp.zeros(max_count, jnp.int32).at[jnp.where(take, rank - 1, max_count)].set(entries, mode="drop")
+        return ids, take, rank[-1] >= jnp.minimum(count, pool.num_free)
+
+    ids, take, enough = jax.lax.cond(jnp.all((lanes >= count) | (entries > 0)), solid, holes)
+    return PopPlan(ids, take, entries, enough)
 
 
 def pop_apply(pool: BlockPool, plan: PopPlan) -> BlockPool:

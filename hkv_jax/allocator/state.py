@@ -102,9 +102,9 @@ class Layout:
         """Index into ``AllocatorState.step_cached`` of the prefix-cache entry (slot, Mamba group) each
         of ``blocks`` is cached under; ``step_cached``'s size where it is not cached in a Mamba group."""
         G, mamba = self.num_groups, self.mamba_groups
-        size = cache.used.shape[0] * len(mamba)
         if not mamba:
-            return jnp.full(blocks.shape, size, jnp.int32)
+            return jnp.full(blocks.shape, 1, jnp.int32)  # past the one unused entry
+        size = cache.used.shape[0] * len(mamba)
         nth = jnp.array([mamba.index(g) if g in mamba else -1 for g in range(G)], jnp.int32)
         e = cache.block_slot[jnp.maximum(blocks, 0)]
         m = nth[jnp.maximum(e, 0) % G]
@@ -123,7 +123,8 @@ class AllocatorState:
     Fields:
       bp: the block pool (free queue + prefix cache).
       step_cached: ``bool[num_slots * num_mamba_groups]`` prefix-cache entries (slot, Mamba group) a Mamba
-        group cached during the current step (``Layout.step_cached_index``).
+        group cached during the current step (``Layout.step_cached_index``); ``bool[1]``, unused, without
+        Mamba groups.
       status: ``i32[R]`` EMPTY / WAITING / RUNNING per request slot.
       tokens: ``i32[R, T]`` known tokens of each request; ``num_tokens``: ``i32[R]``.
       salt: ``u32[R, 1]`` cache salt (keys the first block's hash).
@@ -160,7 +161,8 @@ def init_state(layout: Layout) -> AllocatorState:
 
     return AllocatorState(
         bp=bp,
-        step_cached=jnp.zeros(bp.cache.used.shape[0] * len(layout.mamba_groups), bool),
+        # One unused entry without Mamba groups (checkpointing refuses zero-size arrays).
+        step_cached=jnp.zeros(max(bp.cache.used.shape[0] * len(layout.mamba_groups), 1), bool),
         status=jnp.zeros(R, jnp.int32),
         tokens=jnp.zeros((R, T), jnp.int32),
         num_tokens=jnp.zeros(R, jnp.int32),
