@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -154,3 +155,42 @@ def test_a_large_batch_insert_equals_one_by_one_inserts():
         assert np.asarray(lookup(a, keys, groups)).tolist() == np.asarray(lookup(b, keys, groups)).tolist()
         assert np.asarray(pc.is_cached(a)).tolist() == np.asarray(pc.is_cached(b)).tolist()
         a, b = evict_many(a, gone), evict_many(b, gone)
+
+
+@pytest.mark.parametrize("claims", ["table", "sorted"])
+def test_inserting_rows_equals_one_by_one_inserts_in_row_order(claims):
+    """Rows of 3 groups: some hashes twice in the batch, some with entries cached before it, null blocks
+    here and there, and a batch of new hashes only (rows on slots of their own): same lookups, cached
+    blocks and duplicate order as inserting every block alone, row by row."""
+    rng = np.random.default_rng(1)
+    num_blocks, k, G = 3000, 512, 3
+    pool = rng.integers(0, 2**32, (k * 3 // 4, 4), dtype=np.uint32)
+    ids = rng.permutation(np.arange(1, num_blocks))
+
+    def one_by_one(cache, blocks, keys):
+        def row(i, c):
+            return jax.lax.fori_loop(0, G, lambda g, c: pc.insert(c, blocks[i, g], keys[i], g), c)
+        return jax.lax.fori_loop(0, blocks.shape[0], row, cache)
+
+    early_keys = jnp.asarray(pool[:100])
+    early = jnp.asarray(np.where(rng.random((100, G)) < 0.5, ids[:100 * G].reshape(100, G), 0), jnp.int32)
+    start = jax.jit(one_by_one)(pc.init_prefix_cache(num_blocks, num_groups=G), early, early_keys)
+    rest = ids[100 * G:]
+    fresh = rng.integers(0, 2**32, (k // 4, 4), dtype=np.uint32)
+    batches = [(pool[rng.integers(0, len(pool), k)], rng.random((k, G)) < 0.1),  # shared slots
+               (fresh, np.zeros((k // 4, G), bool))]                            # own slots only
+    everything = np.concatenate([pool, fresh])
+    groups = jnp.asarray(np.tile(np.arange(G), len(everything)), jnp.int32)
+    all_keys = jnp.asarray(np.repeat(everything, G, axis=0))
+    a = b = start
+    for keys, null in batches:
+        n = keys.shape[0] * G
+        blocks = jnp.asarray(np.where(null, 0, rest[:n].reshape(-1, G)), jnp.int32)
+        rest = rest[n:]
+        a = jax.jit(pc.insert_rows, static_argnames="claims")(a, blocks, jnp.asarray(keys), claims=claims)
+        b = jax.jit(one_by_one)(b, blocks, jnp.asarray(keys))
+        assert np.asarray(lookup(a, all_keys, groups)).tolist() == np.asarray(lookup(b, all_keys, groups)).tolist()
+        assert np.asarray(pc.is_cached(a)).tolist() == np.asarray(pc.is_cached(b)).tolist()
+    gone = jnp.asarray(rng.permutation(np.flatnonzero(np.asarray(pc.is_cached(a))))[:800], jnp.int32)
+    a, b = evict_many(a, gone), evict_many(b, gone)
+    assert np.asarray(lookup(a, all_keys, groups)).tolist() == np.asarray(lookup(b, all_keys, groups)).tolist()
