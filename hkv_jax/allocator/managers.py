@@ -69,7 +69,7 @@ def _hit_one(spec, bs: int, found: jax.Array, all_found: jax.Array, max_len: jax
 
 def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: jax.Array | None = None):
     """Longest prefix-cache hit of the waiting request in ``slot``; ``key_slots: i32[G, H]``, optional:
-    the cache slots of its keys (``prefix_cache.find``), when the caller already looked them up.
+    the cache entry ids of its keys (``prefix_cache.row_entries``), when the caller already looked them up.
 
     Returns (hit blocks ``i32[G, H]`` (entries past the hit are 0), hit tokens,
     shared-prefix boundary: a longer prefix some group alone could serve, or 0).
@@ -79,9 +79,8 @@ def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: ja
     H = hashes.shape[0]
     nh = state.num_tokens[slot] // bs
     valid = jnp.arange(H) < nh
-    gids = jnp.arange(G, dtype=jnp.int32)
-    if key_slots is None:
-        key_slots = pc.find(state.bp.cache, jnp.broadcast_to(hashes, (G, H, 4)), jnp.broadcast_to(gids[:, None], (G, H)))
+    if key_slots is None:  # one probe per hash: its slot holds every group's entry
+        key_slots = pc.row_entries(state.bp.cache, pc.find_slots(state.bp.cache, hashes)).T
     found = pc.block_at(state.bp.cache, key_slots)
     found = jnp.where(valid[None, :], found, 0)
     sgs = [(layout.groups[sg[0]].spec, list(sg)) for sg in layout.spec_groups]
