@@ -1,10 +1,14 @@
-"""Shared test helpers: where the team's shared folder (traces, tools) lives."""
+"""Shared test helpers: where the team's shared folder (traces, tools) lives; compile settings."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+
+# The suite's time goes mostly to XLA compiles of small programs: compile them at LLVM -O0 (results are
+# the same; the programs run a little slower). Set before jax is imported; subprocesses inherit it.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import numpy as np
 import pytest
