@@ -72,7 +72,6 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, 
     # one reports that it applied nothing, the fallback runs as a second program, inside the timing.
     sched = jax.jit(functools.partial(ops.prefill_batch, fallback=False), static_argnums=0, donate_argnums=1)
     decode = jax.jit(functools.partial(ops.decode_step, fallback=False), static_argnums=0, donate_argnums=1)
-    idle_decode = jax.jit(ops.idle_decode, static_argnums=0)  # read-only: donates nothing
     append = jax.jit(ops.append_batch, static_argnums=0, donate_argnums=1)
     sequential = jax.jit(ops.schedule_batch, static_argnums=0, donate_argnums=1)
 
@@ -95,7 +94,7 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, 
     def decode_step(st, idle_first=True):
         idle = False
         if idle_first:
-            num_computed, idle = idle_decode(layout, st, slots)
+            num_computed, idle = ops.idle_decode(layout, st, slots)  # jitted, read-only
             idle = bool(idle)
         if idle:  # only num_computed is new: every other array is the previous (ready) state's
             jax.block_until_ready(num_computed)
@@ -116,7 +115,7 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, 
             raise RuntimeError("pool too small for the prefill")
     st = jax.block_until_ready(append(layout, st, slots, jnp.asarray(rng.integers(1, 32000, batch), jnp.int32)))
     jax.block_until_ready(decode(layout, jax.tree.map(jnp.copy, st), slots))  # compile the decode programs
-    jax.block_until_ready(idle_decode(layout, st, slots))
+    jax.block_until_ready(ops.idle_decode(layout, st, slots))
     steps, paths, one_program = [], [0, 0, 0, 0], []
     for i in range(decode_steps):
         idle_first = not compare or (i // 16) % 2 == 0

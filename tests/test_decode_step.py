@@ -36,7 +36,6 @@ def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned):
     append = jax.jit(ops.append_batch, static_argnums=0)
     decode = jax.jit(ops.decode_step, static_argnums=0, static_argnames="fallback")
     check_idle = aligned and model == "three"  # idle_decode's answer against the whole step's path
-    idle_decode = jax.jit(ops.idle_decode, static_argnums=0)
     # The fallback inside the program (the default) once; elsewhere the smaller program without it,
     # where path 3 applies nothing and the caller runs schedule_batch.
     fallback = model == "three" and num_blocks == 40
@@ -50,7 +49,7 @@ def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned):
         assert np.asarray(ok_a).tolist() == np.asarray(want_ok).tolist()
         assert semantic(a, layout) == semantic(want, layout)
         if check_idle:
-            num_computed, idle = idle_decode(layout, st, run)
+            num_computed, idle = ops.idle_decode(layout, st, run)  # jitted inside
             assert bool(idle) == (int(path) == 0)
             want_computed = a.num_computed if bool(idle) else st.num_computed
             assert np.array_equal(np.asarray(num_computed), np.asarray(want_computed))

@@ -42,8 +42,10 @@ class BlockPool:
 
     Fields:
       ref_count: ``i32[num_blocks]`` requests (table entries) holding each block.
-      queue: ``i32[num_blocks]`` circular array of free block ids in queue order, 0 = hole.
-      pos: ``i32[num_blocks]`` absolute queue position of each free block, -1 when held.
+      queue: ``i32[num_blocks]`` circular array of free block ids in queue order, 0 = hole; entries
+        outside ``[head, tail)`` are stale (never read).
+      pos: ``i32[num_blocks]`` absolute queue position of each free block (``ref_count == 0``); stale
+        for a held block (read only when the block is free), -1 for the null block.
       head: ``i32[]`` absolute position of the first queue entry (``queue[head % num_blocks]``).
       tail: ``i32[]`` absolute position one past the last entry.
       num_free: ``i32[]`` blocks in the queue.
@@ -123,20 +125,21 @@ def pop_plan(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOL
     return PopPlan(ids, take, entries, enough)
 
 
-def pop_apply(pool: BlockPool, plan: PopPlan) -> BlockPool:
-    """Take the blocks of ``plan`` (made on this pool) out of the queue, with ref count 1."""
-    n = pool.num_blocks
+def pop_apply(pool: BlockPool, plan: PopPlan, hold: bool = True) -> BlockPool:
+    """Take the blocks of ``plan`` (made on this pool) out of the queue, with ref count 1; ``hold``
+    (static) False leaves their ref counts (0) to the caller, which counts them with its other
+    references in one update.
+
+    Only ``head`` moves: the taken entries fall before it, outside the live range ``[head, tail)``
+    that every reader masks by, and a held block's ``pos`` is read by no one (see ``BlockPool``), so
+    neither array is written (two scatters of the whole window saved).
+    """
     lanes = jnp.arange(plan.take.shape[0])
     last = jnp.max(jnp.where(plan.take, lanes, -1))
-    tgt = jnp.where(plan.take, plan.entries, n)
-    return replace(
-        pool,
-        queue=pool.queue.at[jnp.where(plan.take, (pool.head + lanes) % n, n)].set(0, mode="drop"),
-        pos=pool.pos.at[tgt].set(-1, mode="drop"),
-        ref_count=pool.ref_count.at[tgt].set(1, mode="drop"),
-        head=pool.head + last + 1,
-        num_free=pool.num_free - jnp.sum(plan.take, dtype=jnp.int32),
-    )
+    if hold:
+        pool = replace(pool, ref_count=pool.ref_count.at[jnp.where(plan.take, plan.entries, pool.num_blocks)].set(
+            1, mode="drop"))
+    return replace(pool, head=pool.head + last + 1, num_free=pool.num_free - jnp.sum(plan.take, dtype=jnp.int32))
 
 
 def pop_free(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOLE_SLACK) -> tuple[BlockPool, jax.Array]:
@@ -168,7 +171,6 @@ def touch(pool: BlockPool, blocks: jax.Array) -> BlockPool:
         pool,
         ref_count=pool.ref_count.at[jnp.where(valid, blocks, n)].add(1, mode="drop"),
         queue=pool.queue.at[jnp.where(was_free, pool.pos[b] % n, n)].set(0, mode="drop"),
-        pos=pool.pos.at[jnp.where(was_free, blocks, n)].set(-1, mode="drop"),
         num_free=pool.num_free - jnp.sum(was_free, dtype=jnp.int32),
     )
 
