@@ -318,8 +318,9 @@ def insert_rows(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, claims: 
         return jnp.where(won, probe, claimed), won
 
     def body(c, lane, lane_keys):
-        """One round for the batch rows ``lane`` (per-lane ``pending``, ``probe``, ``slot_of``)."""
-        claimed, pending, probe, slot_of = c
+        """One round for the batch rows ``lane`` (per-lane ``pending``, ``probe``, ``slot_of``, ``opened``:
+        the row won its slot's claim; a claimed slot is never contested again, so it stays won)."""
+        claimed, pending, probe, slot_of, opened = c
         o = claims_at(claimed, probe)
         taken = o < 0 if by_table else cache.used[probe] > 0
         is_claimed = (o >= 0) & (o < big)
@@ -329,10 +330,10 @@ def insert_rows(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, claims: 
         claimed, won = contest(claimed, free, probe, lane)
         slot_of = jnp.where(won | joined, probe, slot_of)
         moved = pending & (taken | (is_claimed & ~same))
-        return claimed, pending & ~(won | joined), jnp.where(moved, (probe + 1) & mask, probe), slot_of
+        return claimed, pending & ~(won | joined), jnp.where(moved, (probe + 1) & mask, probe), slot_of, opened | won
 
     init = jnp.where(cache.used > 0, -1, big) if by_table else jnp.full(K, big, jnp.int32)
-    c = (init, row_do & (found < 0), home, jnp.where(row_do, found, -1))
+    c = (init, row_do & (found < 0), home, jnp.where(row_do, found, -1), jnp.zeros(K, bool))
     # Each round settles most pending rows (on an empty table: 89% of them, then about 70%), so with table
     # claims the rounds run over fewer and fewer lanes: at each level, until the pending rows fit the next
     # level's lanes (an eighth), then over those only. This halves the lane-rounds of a big batch. A small
@@ -345,14 +346,15 @@ def insert_rows(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, claims: 
         nxt = caps[level + 1] if level + 1 < len(caps) else 0
         lane_keys = keys if level == 0 else keys[jnp.minimum(lane, K - 1)]
         c = jax.lax.while_loop(lambda c: jnp.sum(c[1]) > nxt, lambda c: body(c, lane, lane_keys), c)
-        claimed, pending, probe, slot_c = c
-        slot_of = slot_c if level == 0 else slot_of.at[lane].set(slot_c, mode="drop")  # padding lanes drop
+        claimed, pending, probe, slot_c, won_c = c
+        # Padding lanes drop.
+        slot_of = slot_c if level == 0 else slot_of.at[lane].set(slot_c, mode="drop")
+        won = won_c if level == 0 else won.at[lane].set(won_c, mode="drop")
         if nxt:
             sel = jnp.nonzero(pending, size=nxt, fill_value=cap)[0]
             sel_c = jnp.minimum(sel, cap - 1)
             lane = jnp.where(sel < cap, lane[sel_c], K).astype(jnp.int32)
-            c = (claimed, pending[sel_c] & (sel < cap), probe[sel_c], slot_c[sel_c])
-    won = row_do & (found < 0) & (claims_at(claimed, jnp.maximum(slot_of, 0)) == idx)  # opened a slot
+            c = (claimed, pending[sel_c] & (sel < cap), probe[sel_c], slot_c[sel_c], won_c[sel_c] & (sel < cap))
     at = jnp.where(row_do, slot_of, size)                                # rows write whole table rows
     gids = jnp.arange(G, dtype=jnp.int32)
 
