@@ -9,6 +9,7 @@ Python (their rules are static); blocks and tables are arrays.
 
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import replace
 from typing import NamedTuple
@@ -596,17 +597,9 @@ def idle_decode(layout: Layout, state: AllocatorState, slots):
     return _idle_decode(layout, _DecodeCounts(*(getattr(state, f) for f in _DecodeCounts._fields)), slots)
 
 
-class _DecodeCounts(NamedTuple):
-    """The ``AllocatorState`` fields ``_decode`` reads before it knows whether the step is idle."""
-
-    status: jax.Array
-    num_tokens: jax.Array
-    num_computed: jax.Array
-    tables: jax.Array
-    table_len: jax.Array
-    num_cached: jax.Array
-    last_state: jax.Array
-    retired: jax.Array
+# The ``AllocatorState`` fields ``_decode`` reads before it knows whether the step is idle (shapes there).
+_DecodeCounts = collections.namedtuple(
+    "_DecodeCounts", "status num_tokens num_computed tables table_len num_cached last_state retired")
 
 
 @functools.partial(jax.jit, static_argnums=0)

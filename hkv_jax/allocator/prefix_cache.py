@@ -347,14 +347,14 @@ def insert_rows(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, claims: 
         lane_keys = keys if level == 0 else keys[jnp.minimum(lane, K - 1)]
         c = jax.lax.while_loop(lambda c: jnp.sum(c[1]) > nxt, lambda c: body(c, lane, lane_keys), c)
         claimed, pending, probe, slot_c, won_c = c
-        # Padding lanes drop.
-        slot_of = slot_c if level == 0 else slot_of.at[lane].set(slot_c, mode="drop")
+        slot_of = slot_c if level == 0 else slot_of.at[lane].set(slot_c, mode="drop")  # padding lanes drop
         won = won_c if level == 0 else won.at[lane].set(won_c, mode="drop")
         if nxt:
             sel = jnp.nonzero(pending, size=nxt, fill_value=cap)[0]
             sel_c = jnp.minimum(sel, cap - 1)
             lane = jnp.where(sel < cap, lane[sel_c], K).astype(jnp.int32)
-            c = (claimed, pending[sel_c] & (sel < cap), probe[sel_c], slot_c[sel_c], won_c[sel_c] & (sel < cap))
+            # Pending rows have won nothing yet.
+            c = (claimed, pending[sel_c] & (sel < cap), probe[sel_c], slot_c[sel_c], jnp.zeros(nxt, bool))
     at = jnp.where(row_do, slot_of, size)                                # rows write whole table rows
     gids = jnp.arange(G, dtype=jnp.int32)
 
