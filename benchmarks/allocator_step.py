@@ -18,7 +18,6 @@ Times are wall clock after compilation, with ``block_until_ready``; decode is th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -94,11 +93,11 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, 
     def decode_step(st, idle_first=True):
         idle = False
         if idle_first:
-            num_computed, idle = ops.idle_decode(layout, st, slots)  # jitted, read-only
+            after, idle = ops.idle_decode(layout, st, slots)  # jitted, read-only
             idle = bool(idle)
-        if idle:  # only num_computed is new: every other array is the previous (ready) state's
-            jax.block_until_ready(num_computed)
-            return (dataclasses.replace(st, num_computed=num_computed), all_ok), 0
+        if idle:  # only the counters are new: every other array is the previous (ready) state's
+            jax.block_until_ready(after.counts)
+            return (after, all_ok), 0
         st, ok, path = decode(layout, st, slots)  # a block moves: the whole step
         if int(path) == 3:
             st, ok, _, _ = sequential(layout, st, slots, one_token)

@@ -9,7 +9,6 @@ Python (their rules are static); blocks and tables are arrays.
 
 from __future__ import annotations
 
-import collections
 import functools
 from dataclasses import replace
 from typing import NamedTuple
@@ -21,7 +20,7 @@ from hkv_jax.allocator import block_pool as BP
 from hkv_jax.allocator import pool as P
 from hkv_jax.allocator.hashing import SEED, block_hashes, hash_one_block
 from hkv_jax.allocator.managers import lookup, skipped_tokens
-from hkv_jax.allocator.state import EMPTY, RUNNING, WAITING, AllocatorState, Layout
+from hkv_jax.allocator.state import EMPTY, RUNNING, WAITING, AllocatorState, Layout, counter, set_counters
 from hkv_jax.spec import FullAttentionSpec
 
 _NO_EXTRA = jnp.zeros(0, jnp.uint32)
@@ -32,13 +31,11 @@ def _cdiv(a, b: int):
 
 
 def _set_row(state: AllocatorState, slot, g: int, row, length=None, **rg) -> AllocatorState:
-    """Replace request ``slot``'s table of group ``g`` (and per-(request, group) scalars)."""
-    upd = {"tables": state.tables.at[slot, g].set(row)}
+    """Replace request ``slot``'s table of group ``g`` (and its group counters ``rg``)."""
     if length is not None:
-        upd["table_len"] = state.table_len.at[slot, g].set(length)
-    for name, value in rg.items():
-        upd[name] = getattr(state, name).at[slot, g].set(value)
-    return _replace(state, **upd)
+        rg["table_len"] = length
+    state = _replace(state, tables=state.tables.at[slot, g].set(row))
+    return state.with_counters(slot, g, **rg) if rg else state
 
 
 _replace = replace  # states and pools are frozen dataclasses
@@ -57,15 +54,12 @@ def add_request(layout: Layout, state: AllocatorState, slot, tokens, num_tokens,
     tokens = jnp.where(valid, tokens, 0)
     salt = jnp.asarray(salt, jnp.uint32).reshape(1)
     hashes = block_hashes(tokens, layout.block_size, salt, _NO_EXTRA)
-    state = _clear_tables(state, slot)
+    state = _clear_tables(state, slot, status=WAITING, num_tokens=num_tokens, num_computed=0)
     return _replace(
         state,
-        status=state.status.at[slot].set(WAITING),
         tokens=state.tokens.at[slot].set(tokens),
-        num_tokens=state.num_tokens.at[slot].set(num_tokens),
         salt=state.salt.at[slot].set(salt),
         hashes=state.hashes.at[slot].set(hashes),
-        num_computed=state.num_computed.at[slot].set(0),
     )
 
 
@@ -81,7 +75,7 @@ def append_token(layout: Layout, state: AllocatorState, slot, token) -> Allocato
     h = hash_one_block(parent, blk, state.salt[slot], idx == 0, _NO_EXTRA)
     full = n1 % bs == 0
     hashes = jnp.where(full, state.hashes.at[slot, idx].set(h), state.hashes)
-    return _replace(state, tokens=tokens, num_tokens=state.num_tokens.at[slot].set(n1), hashes=hashes)
+    return _replace(state, tokens=tokens, hashes=hashes).with_counters(slot, num_tokens=n1)
 
 
 def _skip_row(layout: Layout, g: int, row, L, retired, last_state, computed):
@@ -220,9 +214,9 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
             step_cached = st.step_cached
             if layout.is_mamba(g):
                 step_cached = step_cached.at[layout.step_cached_index(bp.cache, new)].set(True, mode="drop")
-            st = _replace(st, bp=bp, step_cached=step_cached,
-                          num_cached=st.num_cached.at[slot, g].set(jnp.maximum(before, nfull)))
-        st = _replace(st, status=st.status.at[slot].set(RUNNING), num_computed=st.num_computed.at[slot].set(C + h + n))
+            st = _replace(st, bp=bp, step_cached=step_cached).with_counters(
+                slot, g, num_cached=jnp.maximum(before, nfull))
+        st = st.with_counters(slot, status=RUNNING, num_computed=C + h + n)
         return st, first_new
 
     st, first_new = jax.lax.cond(ok, commit, lambda s: (s, s.table_len[slot]), st)
@@ -235,19 +229,15 @@ def _pop(bp: BP.BlockPoolState, count, max_count: int):
                         lambda: (bp, jnp.zeros(max_count, jnp.int32)))
 
 
-def _clear_tables(state: AllocatorState, slot) -> AllocatorState:
-    return _replace(
-        state,
-        tables=state.tables.at[slot].set(0),
-        table_len=state.table_len.at[slot].set(0),
-        num_cached=state.num_cached.at[slot].set(0),
-        last_state=state.last_state.at[slot].set(-1),
-        retired=state.retired.at[slot].set(0),
-    )
+def _clear_tables(state: AllocatorState, slot, **counters) -> AllocatorState:
+    """Empty ``slot``'s tables (and set its request ``counters``)."""
+    return _replace(state, tables=state.tables.at[slot].set(0)).with_counters(
+        slot, table_len=0, num_cached=0, last_state=-1, retired=0, **counters)
 
 
-def _release(layout: Layout, state: AllocatorState, slot) -> AllocatorState:
-    """Free every block of ``slot``: group by group, each table last entry first (leading nulls skipped)."""
+def _release(layout: Layout, state: AllocatorState, slot, **counters) -> AllocatorState:
+    """Free every block of ``slot``: group by group, each table last entry first (leading nulls skipped);
+    its tables emptied and its request ``counters`` set."""
     bp = state.bp
     M = layout.max_blocks
     idx = jnp.arange(M)
@@ -255,20 +245,17 @@ def _release(layout: Layout, state: AllocatorState, slot) -> AllocatorState:
         row, L = state.tables[slot, g], state.table_len[slot, g]
         first = jnp.min(jnp.where((idx < L) & (row != 0), idx, M))
         bp = BP.free_blocks(bp, _reversed_range(row, first, L))
-    return _clear_tables(_replace(state, bp=bp), slot)
+    return _clear_tables(_replace(state, bp=bp), slot, **counters)
 
 
 def free(layout: Layout, state: AllocatorState, slot) -> AllocatorState:
     """Release a request's blocks and empty its slot."""
-    st = _release(layout, state, slot)
-    return _replace(st, status=st.status.at[slot].set(EMPTY), num_tokens=st.num_tokens.at[slot].set(0),
-                    num_computed=st.num_computed.at[slot].set(0))
+    return _release(layout, state, slot, status=EMPTY, num_tokens=0, num_computed=0)
 
 
 def preempt(layout: Layout, state: AllocatorState, slot) -> AllocatorState:
     """Release a running request's blocks; it waits again with its tokens kept."""
-    st = _release(layout, state, slot)
-    return _replace(st, status=st.status.at[slot].set(WAITING), num_computed=st.num_computed.at[slot].set(0))
+    return _release(layout, state, slot, status=WAITING, num_computed=0)
 
 
 def fork(layout: Layout, state: AllocatorState, src, dst) -> AllocatorState:
@@ -291,14 +278,11 @@ def fork(layout: Layout, state: AllocatorState, src, dst) -> AllocatorState:
     return _replace(
         state,
         bp=_replace(state.bp, pool=pool),
-        status=state.status.at[dst].set(jnp.where(nfull > 0, RUNNING, WAITING)),
-        tokens=copy(state.tokens), num_tokens=copy(state.num_tokens), salt=copy(state.salt),
-        hashes=copy(state.hashes),
-        num_computed=state.num_computed.at[dst].set(nfull * layout.block_size),
+        tokens=copy(state.tokens), salt=copy(state.salt), hashes=copy(state.hashes),
         tables=state.tables.at[dst].set(rows),
-        table_len=state.table_len.at[dst].set(jnp.full((layout.num_groups,), nfull)),
-        num_cached=state.num_cached.at[dst].set(jnp.minimum(state.num_cached[src], nfull)),
-    )
+    ).with_counters(dst, status=jnp.where(nfull > 0, RUNNING, WAITING), num_tokens=state.num_tokens[src],
+                    num_computed=nfull * layout.block_size, table_len=nfull, last_state=-1, retired=0,
+                    num_cached=jnp.minimum(state.num_cached[src], nfull))
 
 
 def reset_prefix_cache(layout: Layout, state: AllocatorState) -> tuple[AllocatorState, jax.Array]:
@@ -404,7 +388,8 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     key_slots = jnp.swapaxes(BP.pc.row_entries(state.bp.cache, hash_slots), 1, 2)  # [B, G, H] entry ids
     hit_blocks, h, _ = jax.vmap(lambda s, f: lookup(layout, state, s, f))(slots, key_slots)  # [B, G, H]
     hits = jnp.pad(hit_blocks, ((0, 0), (0, 0), (0, M - H)))               # [B, G, M]
-    C, T = state.num_computed[slots], state.num_tokens[slots]
+    counts = state.counts[slots]                                              # [B, 3 + 4G]
+    C, T = counter(counts, "num_computed"), counter(counts, "num_tokens")
     n, computed, main, need, nfull = _token_counts(layout, C, T, h, num_tokens)
     nhit = h // bs
 
@@ -435,7 +420,7 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     max_new = B * G * M
     pop = P.pop_plan(pool, total, max_new)
     fast = (
-        jnp.all(state.status[slots] == WAITING) & jnp.all(state.table_len[slots] == 0) & jnp.all(n > 0)
+        jnp.all(counter(counts, "status") == WAITING) & jnp.all(counter(counts, "table_len") == 0) & jnp.all(n > 0)
         & jnp.all(held | (rows == 0)) & ~_computes_shared_block(hashes, nhit, nfull) & ~jnp.any(stale)
         & (total <= pool.num_free) & pop.enough & ~jnp.any(BP.pc.needs_promotion(cache, pop.ids))
     )
@@ -462,13 +447,9 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
             state,
             bp=BP.BlockPoolState(pool=p, cache=c),
             step_cached=step_cached,
-            status=state.status.at[slots].set(RUNNING),
             tables=state.tables.at[slots].set(rows),
-            table_len=state.table_len.at[slots].set(jnp.stack(lens, 1)),
-            num_cached=state.num_cached.at[slots].set(jnp.maximum(nhit, nfull)[:, None] + jnp.zeros((1, G), jnp.int32)),
-            last_state=state.last_state.at[slots].set(jnp.stack(last, 1)),
-            num_computed=state.num_computed.at[slots].set(C + h + n),
-        )
+        ).with_counters(slots, status=RUNNING, table_len=jnp.stack(lens, 1), num_cached=jnp.maximum(nhit, nfull)[:, None],
+                        last_state=jnp.stack(last, 1), num_computed=C + h + n)
         return st, (jnp.ones(B, bool), n, h)
 
     def sequential(state: AllocatorState):
@@ -582,42 +563,56 @@ def decode_step(layout: Layout, state: AllocatorState, slots, fallback: bool = T
     return _decode(layout, state, slots, fallback, count_only=False)
 
 
-def idle_decode(layout: Layout, state: AllocatorState, slots):
-    """Read-only: whether ``decode_step(layout, state, slots)`` would only count the token (path 0, the
-    usual step), and the ``num_computed`` (``i32[R]``) it would leave then (else the current one).
+def idle_decode(layout: Layout, state: AllocatorState, slots) -> tuple[AllocatorState, jax.Array]:
+    """Whether ``decode_step(layout, state, slots)`` would only count the token (path 0, the usual
+    step), and the state it would leave then (else ``state`` itself).
 
-    A host loop calls this first and, when the step is idle, replaces ``state.num_computed``
-    (``dataclasses.replace``); otherwise it calls ``decode_step``. It is jitted already (call it as
-    it is: wrapping it in ``jax.jit`` again would pass the whole state in). Its program takes only the
-    8 per-request fields the check reads, returns one small array and donates nothing: on CPU a call's
+    A host loop calls this first and, when the step is idle, takes the returned state; otherwise it
+    calls ``decode_step``. It is jitted already (call it as it is: wrapping it in ``jax.jit`` again
+    would pass the whole state in). Its program takes only the counters (and the block tables where a
+    window group may release a block), returns the new counters and donates nothing: on CPU a call's
     fixed cost grows with every array passed in and out (full32 B = 256: 0.55-0.6 of the idle
-    ``decode_step``'s time when it took the whole state, about 0.8 of that again with the 8 fields).
-    Returns ``(num_computed, idle bool[])``. Inside one jitted serving step use ``decode_step``.
+    ``decode_step``'s time when it took the whole state; with the counters packed in one array, about
+    0.6 of the time the 8 separate per-request arrays took). Returns ``(state, idle bool[])``.
+    Inside one jitted serving step use ``decode_step``.
     """
-    return _idle_decode(layout, _DecodeCounts(*(getattr(state, f) for f in _DecodeCounts._fields)), slots)
+    counts, idle = _idle_decode(layout, _DecodeInputs(state.counts, _decode_tables(layout, state)), slots)
+    return _replace(state, counts=counts), idle
 
 
-# The ``AllocatorState`` fields ``_decode`` reads before it knows whether the step is idle (shapes there).
-_DecodeCounts = collections.namedtuple(
-    "_DecodeCounts", "status num_tokens num_computed tables table_len num_cached last_state retired")
+class _DecodeInputs(NamedTuple):
+    """What ``_decode`` reads before it knows whether the step is idle (shapes: ``AllocatorState``)."""
+
+    counts: jax.Array
+    tables: jax.Array | None  # None where no group releases blocks as tokens come (nothing to read)
+
+
+def _release_groups(layout: Layout) -> list[int]:
+    """The groups that may release blocks in a decode step (out of the window or chunk; Mamba states)."""
+    return [g for g in range(layout.num_groups) if not isinstance(layout.groups[g].spec, FullAttentionSpec)]
+
+
+def _decode_tables(layout: Layout, state: AllocatorState):
+    return state.tables if _release_groups(layout) else None
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _idle_decode(layout: Layout, counts: _DecodeCounts, slots):
-    return _decode(layout, counts, slots, False, count_only=True)
+def _idle_decode(layout: Layout, inputs: _DecodeInputs, slots):
+    return _decode(layout, inputs, slots, False, count_only=True)
 
 
-def _decode(layout: Layout, state: AllocatorState | _DecodeCounts, slots, fallback: bool, count_only: bool):
-    """``decode_step``'s body; ``count_only``: ``idle_decode``'s answer, computed before anything busy
-    (from the ``_DecodeCounts`` fields only)."""
+def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, fallback: bool, count_only: bool):
+    """``decode_step``'s body; ``count_only``: ``idle_decode``'s answer (the new counts, idle), computed
+    before anything busy (from the ``_DecodeInputs`` only)."""
     bs, G, M = layout.block_size, layout.num_groups, layout.max_blocks
     B = slots.shape[0]
-    C, T = state.num_computed[slots], state.num_tokens[slots]
+    rows = state.counts[slots]                                               # [B, 3 + 4G]: one gather
+    C, T = counter(rows, "num_computed"), counter(rows, "num_tokens")
     computed = jnp.minimum(C, layout.max_model_len)
     main = computed + 1
     need = jnp.minimum(main, layout.max_model_len)
-    lens = state.table_len[slots]                                            # [B, G]
-    retired, last_state = state.retired[slots], state.last_state[slots]
+    lens = counter(rows, "table_len")                                        # [B, G]
+    retired, last_state = counter(rows, "retired"), counter(rows, "last_state")
     bidx = jnp.arange(B)
     idx_m = jnp.arange(M)
 
@@ -626,7 +621,7 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeCounts, slots, fallba
     # first needed block ``sb`` is null: one release per call iff entry ``sb - 2`` is already null.
     # That is O(B) per group; the wide form (several blocks per call) is only built when needed.
     zeroed, calls, after, cleared, retired_new, single = [], [], {}, {}, [], jnp.bool_(True)
-    release_groups = [g for g in range(G) if not isinstance(layout.groups[g].spec, FullAttentionSpec)]
+    release_groups = _release_groups(layout)
 
     def wide_releases(tables, g):
         """Group ``g``'s rows after the step, retired indices and free calls ``i32[B, 2, M]`` (in order)."""
@@ -672,13 +667,13 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeCounts, slots, fallba
     cnt, new_idx = jnp.stack(cnt, 1), jnp.stack(new_idx, 1)                  # [B, G], each count 0 or 1
     total = jnp.sum(cnt)
     nfull = jnp.minimum(jnp.minimum(C + 1, T), (T // bs) * bs) // bs
-    before = state.num_cached[slots]                                         # [B, G]
+    before = counter(rows, "num_cached")                                     # [B, G]
     num_cached = jnp.maximum(before, nfull[:, None])
-    running = jnp.all(state.status[slots] == RUNNING) & jnp.all(T - C >= 1)
+    running = jnp.all(counter(rows, "status") == RUNNING) & jnp.all(T - C >= 1)
     idle = (running & (total == 0) & jnp.all(num_cached == before) & jnp.all(flat == 0)
             & jnp.all(retired_new == retired))
     if count_only:
-        return state.num_computed.at[slots].set(jnp.where(idle, C + 1, C)), idle
+        return set_counters(state.counts, slots, num_computed=jnp.where(idle, C + 1, C)), idle
 
     def entry(tables, g, j):
         """Entry ``j`` of group ``g``'s row after the releases."""
@@ -731,7 +726,7 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeCounts, slots, fallba
                           else lens[:, g] + cnt[:, g] for g in range(G)], 1)
 
     def count_token(state: AllocatorState):
-        return _replace(state, num_computed=state.num_computed.at[slots].set(C + 1)), (jnp.ones(B, bool), jnp.int32(0))
+        return state.with_counters(slots, num_computed=C + 1), (jnp.ones(B, bool), jnp.int32(0))
 
     def vectorised(state: AllocatorState, plan: _DecodePlan, releases: _Releases, rows_after: dict | None):
         p = P.pop_apply(_apply_releases(state.bp.pool, releases), plan.pop)
@@ -755,12 +750,8 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeCounts, slots, fallba
             bp=BP.BlockPoolState(pool=p, cache=c),
             step_cached=step_cached,
             tables=tables,
-            table_len=state.table_len.at[slots].set(lens_new),
-            retired=state.retired.at[slots].set(retired_new),
-            last_state=state.last_state.at[slots].set(last_new),
-            num_cached=state.num_cached.at[slots].set(num_cached),
-            num_computed=state.num_computed.at[slots].set(C + 1),
-        )
+        ).with_counters(slots, table_len=lens_new, retired=retired_new, last_state=last_new, num_cached=num_cached,
+                        num_computed=C + 1)
         return st, jnp.ones(B, bool)
 
     def many_releases(state: AllocatorState, plan: _DecodePlan):
@@ -792,7 +783,7 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeCounts, slots, fallba
 
 
 # Fields a schedule never changes: kept out of ``lax.cond`` outputs, so XLA need not copy them.
-_READ_ONLY = ("tokens", "num_tokens", "salt", "hashes")
+_READ_ONLY = ("tokens", "salt", "hashes")
 
 
 def _switch_mutable(index, fns, state: AllocatorState):

@@ -9,7 +9,7 @@ counted ``k`` times), ``M`` table entries per request and group, ``N`` blocks,
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,52 @@ from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, Sliding
 
 # Request slot status.
 EMPTY, WAITING, RUNNING = 0, 1, 2
+
+# The per-request counters, packed as columns of one array (``AllocatorState.counts``): a host loop's
+# idle-decode check passes one array in and out, not seven (on CPU every array a jitted call takes or
+# returns adds to its fixed cost), and a step that updates several counters writes each row once.
+REQUEST_COUNTERS = ("status", "num_tokens", "num_computed")            # one column each
+GROUP_COUNTERS = ("table_len", "num_cached", "last_state", "retired")  # one column per group each
+
+
+def _num_counters(G: int) -> int:
+    return len(REQUEST_COUNTERS) + len(GROUP_COUNTERS) * G
+
+
+def _columns(name: str, G: int) -> tuple[int, int]:
+    """(first column, width) of counter ``name`` in a counts row of ``G`` groups."""
+    if name in REQUEST_COUNTERS:
+        return REQUEST_COUNTERS.index(name), 1
+    if name in GROUP_COUNTERS:
+        return len(REQUEST_COUNTERS) + GROUP_COUNTERS.index(name) * G, G
+    raise KeyError(f"unknown counter {name!r}; counters: {REQUEST_COUNTERS + GROUP_COUNTERS}")
+
+
+def counter(counts: jax.Array, name: str) -> jax.Array:
+    """Counter ``name`` of counts rows ``i32[..., 3 + 4G]``: ``i32[...]`` for a request counter,
+    ``i32[..., G]`` for a group counter."""
+    start, width = _columns(name, (counts.shape[-1] - len(REQUEST_COUNTERS)) // len(GROUP_COUNTERS))
+    return counts[..., start] if name in REQUEST_COUNTERS else counts[..., start:start + width]
+
+
+def set_counters(counts: jax.Array, at, group: int | None = None, **values) -> jax.Array:
+    """``counts`` with the named counters of rows ``at`` (a slot, ``i32[B]`` slots or a slice) set,
+    as one row scatter. Values broadcast against the rows: a request counter's to ``at``'s shape, a
+    group counter's to ``at``'s shape + ``[G]``, or to ``at``'s shape alone with ``group`` (static: set
+    only that group's column)."""
+    G = (counts.shape[-1] - len(REQUEST_COUNTERS)) // len(GROUP_COUNTERS)
+    rows = counts[at]
+    for name, value in values.items():
+        start, width = _columns(name, G)
+        value = jnp.asarray(value, jnp.int32)
+        if width > 1 and group is None and value.ndim not in (0, rows.ndim):
+            # An i32[B] value would broadcast along the groups axis (silently, when B == G).
+            raise ValueError(f"{name}: give one value per group (shape [..., G] or [..., 1]), got {value.shape}")
+        if width == 1 or group is not None:
+            start, width, value = start + (0 if width == 1 else group), 1, value[..., None]
+        cols = rows[..., start:start + width]
+        rows = rows.at[..., start:start + width].set(jnp.broadcast_to(value, cols.shape))
+    return counts.at[at].set(rows)
 
 
 @dataclass(frozen=True)
@@ -125,12 +171,17 @@ class AllocatorState:
       step_cached: ``bool[num_slots * num_mamba_groups]`` prefix-cache entries (slot, Mamba group) a Mamba
         group cached during the current step (``Layout.step_cached_index``); ``bool[1]``, unused, without
         Mamba groups.
-      status: ``i32[R]`` EMPTY / WAITING / RUNNING per request slot.
-      tokens: ``i32[R, T]`` known tokens of each request; ``num_tokens``: ``i32[R]``.
+      counts: ``i32[R, 3 + 4G]`` the per-request counters, one row per slot (read them by name:
+        the properties below; write them with ``with_counters``).
+      tokens: ``i32[R, T]`` known tokens of each request.
       salt: ``u32[R, 1]`` cache salt (keys the first block's hash).
       hashes: ``u32[R, H, 4]`` hashes of the full blocks of the known tokens.
-      num_computed: ``i32[R]`` tokens with KV in the cache.
-      tables: ``i32[R, G, M]`` block tables (0 = null block); ``table_len``: ``i32[R, G]``.
+      tables: ``i32[R, G, M]`` block tables (0 = null block).
+
+    Counters (views of ``counts``):
+      status: ``i32[R]`` EMPTY / WAITING / RUNNING per request slot.
+      num_tokens: ``i32[R]`` known tokens; ``num_computed``: ``i32[R]`` tokens with KV in the cache.
+      table_len: ``i32[R, G]`` entries in each table.
       num_cached: ``i32[R, G]`` leading table entries already entered in the prefix cache.
       last_state: ``i32[R, G]`` Mamba: table index of the previous state block, -1 if none.
       retired: ``i32[R, G]`` Mamba: table entries below this index were released.
@@ -138,17 +189,23 @@ class AllocatorState:
 
     bp: BP.BlockPoolState
     step_cached: jax.Array
-    status: jax.Array
+    counts: jax.Array
     tokens: jax.Array
-    num_tokens: jax.Array
     salt: jax.Array
     hashes: jax.Array
-    num_computed: jax.Array
     tables: jax.Array
-    table_len: jax.Array
-    num_cached: jax.Array
-    last_state: jax.Array
-    retired: jax.Array
+
+    status = property(lambda self: counter(self.counts, "status"))
+    num_tokens = property(lambda self: counter(self.counts, "num_tokens"))
+    num_computed = property(lambda self: counter(self.counts, "num_computed"))
+    table_len = property(lambda self: counter(self.counts, "table_len"))
+    num_cached = property(lambda self: counter(self.counts, "num_cached"))
+    last_state = property(lambda self: counter(self.counts, "last_state"))
+    retired = property(lambda self: counter(self.counts, "retired"))
+
+    def with_counters(self, at, group: int | None = None, **values) -> "AllocatorState":
+        """This state with the named counters of slot(s) ``at`` set (``set_counters``)."""
+        return replace(self, counts=set_counters(self.counts, at, group, **values))
 
 
 @functools.partial(jax.jit, static_argnums=0)  # one dispatch instead of one per array (~70x faster on CPU)
@@ -156,22 +213,13 @@ def init_state(layout: Layout) -> AllocatorState:
     """An empty allocator: every block free, no request, nothing cached (a jitted call; ``layout`` static)."""
     R, G, M, T = layout.max_requests, layout.num_groups, layout.max_blocks, layout.max_model_len
     bp = BP.init_block_pool(layout.num_blocks, G)
-    def zeros_rg():  # separate buffers: donation must not see one array twice
-        return jnp.zeros((R, G), jnp.int32)
-
     return AllocatorState(
         bp=bp,
         # One unused entry without Mamba groups (checkpointing refuses zero-size arrays).
         step_cached=jnp.zeros(max(bp.cache.used.shape[0] * len(layout.mamba_groups), 1), bool),
-        status=jnp.zeros(R, jnp.int32),
+        counts=set_counters(jnp.zeros((R, _num_counters(G)), jnp.int32), slice(None), last_state=-1),
         tokens=jnp.zeros((R, T), jnp.int32),
-        num_tokens=jnp.zeros(R, jnp.int32),
         salt=jnp.zeros((R, 1), jnp.uint32),
         hashes=jnp.zeros((R, T // layout.block_size, 4), jnp.uint32),
-        num_computed=jnp.zeros(R, jnp.int32),
         tables=jnp.zeros((R, G, M), jnp.int32),
-        table_len=zeros_rg(),
-        num_cached=zeros_rg(),
-        last_state=zeros_rg() - 1,
-        retired=zeros_rg(),
     )
