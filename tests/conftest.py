@@ -33,6 +33,7 @@ def require_traces() -> None:
 
 # Small hybrid models (block size 4 in the tests) for the allocator's property and equivalence tests.
 HYBRID_MODELS = {
+    "full": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8)],  # one group: the degenerate case
     "sw+full": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
                 SlidingWindowSpec(name="s", num_kv_heads=1, head_size=8, sliding_window=6)],
     "three": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),

@@ -150,3 +150,28 @@ def test_window_aware_eviction_sends_out_of_window_blocks_to_the_queue_front(awa
         assert queue[:3] == out_of_window  # evicted first
     else:
         assert queue[-3:] == out_of_window and queue[:3] != out_of_window  # LRU tail
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_counters_write_only_their_columns(G):
+    from hkv_jax.allocator.state import GROUP_COUNTERS, REQUEST_COUNTERS, counter, set_counters
+    import jax.numpy as jnp
+
+    R = 5
+    counts = jnp.arange(R * (3 + 4 * G), dtype=jnp.int32).reshape(R, -1)
+    want = {name: np.asarray(counter(counts, name)).copy() for name in REQUEST_COUNTERS + GROUP_COUNTERS}
+    slots = jnp.array([3, 1])
+    out = set_counters(counts, slots, status=7, num_cached=jnp.full((2, G), 9), last_state=jnp.array([[4], [5]]))
+    out = set_counters(out, 0, G - 1, retired=-2)  # one group's column of one slot
+    want["status"][[3, 1]] = 7
+    want["num_cached"][[3, 1]] = 9
+    want["last_state"][3], want["last_state"][1] = 4, 5
+    want["retired"][0, G - 1] = -2
+    for name, w in want.items():
+        assert counter(out, name).shape == w.shape
+        assert np.array_equal(np.asarray(counter(out, name)), w), name
+    # A per-request value for a group counter would broadcast along the groups axis: refused.
+    with pytest.raises(ValueError, match="one value per group"):
+        set_counters(counts, slots, table_len=jnp.array([1, 2]))
+    with pytest.raises(KeyError, match="unknown counter"):
+        set_counters(counts, slots, tables=1)

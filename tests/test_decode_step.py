@@ -16,7 +16,7 @@ MODELS = HYBRID_MODELS
 
 # "sw+full" is a part of "three"; the unaligned ample pool only for "three" (the suite's time budget).
 @pytest.mark.parametrize("model,num_blocks,aligned", [("three", 40, False), ("three", 200, False), ("three", 200, True),
-                                                      ("mamba", 40, False), ("mamba", 200, True)])
+                                                      ("mamba", 40, False), ("mamba", 200, True), ("full", 200, True)])
 def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned):
     cfg = plan(MODELS[model], block_size=BS, policy="vllm", num_blocks=num_blocks)
     layout = Layout.from_config(cfg, max_model_len=T, max_requests=B)
@@ -35,7 +35,7 @@ def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned):
     run = jnp.asarray(running, jnp.int32)
     append = jax.jit(ops.append_batch, static_argnums=0)
     decode = jax.jit(ops.decode_step, static_argnums=0, static_argnames="fallback")
-    check_idle = aligned and model == "three"  # idle_decode's answer against the whole step's path
+    check_idle = aligned and model in ("three", "full")  # idle_decode's answer against the whole step's path
     # The fallback inside the program (the default) once; elsewhere the smaller program without it,
     # where path 3 applies nothing and the caller runs schedule_batch.
     fallback = model == "three" and num_blocks == 40
@@ -61,6 +61,6 @@ def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned):
     # The vectorised paths were checked, not only the fallback: requests in step count tokens only
     # in most steps; a window group's first decode step releases several blocks per call.
     assert 1 in paths and (0 in paths or not aligned)
-    assert 2 in paths or model == "mamba" or num_blocks == 40
+    assert 2 in paths or model in ("mamba", "full") or num_blocks == 40
     assert 3 in paths or num_blocks != 40  # the small pool reaches the fallback
     assert not check_idle or {10, 11} <= paths

@@ -29,7 +29,7 @@ def admit(layout, st, slots, rng, prefix, vocab):
                jnp.zeros(len(slots), jnp.uint32))
 
 
-@pytest.mark.parametrize("model", ["three", "mamba"])  # "sw+full" is a part of "three"
+@pytest.mark.parametrize("model", ["three", "mamba", "full"])  # "sw+full" is a part of "three"
 def test_prefill_batch_equals_sequential_schedules(model):
     cfg = plan(HYBRID_MODELS[model], block_size=BS, policy="vllm", num_blocks=400)
     layout = Layout.from_config(cfg, max_model_len=T, max_requests=3 * B)
