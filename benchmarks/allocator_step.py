@@ -11,7 +11,7 @@ A decode step first runs ``idle_decode`` (a read-only check of whether the step 
 usual step, with the counts it would leave); when a block moves the whole ``decode_step`` runs next, within the
 timing.
 Times are wall clock after compilation, with ``block_until_ready``; decode is the median of the 32 steps, prefill the median of
-``--repeats`` fresh prefills. Run: ``python benchmarks/allocator_step.py [--models full32,gemma3,gptoss]
+``--repeats`` fresh prefills after an untimed one. Run: ``python benchmarks/allocator_step.py [--models full32,gemma3,gptoss]
 [--batch 64,256,1024] [--malloc-hugepages] [--json]``.
 """
 
@@ -103,6 +103,7 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, 
             st, ok, _, _ = sequential(layout, st, slots, one_token)
         return jax.block_until_ready((st, ok)), int(path)
 
+    prefill_step(fresh())  # warm-up: the first calls after compiling also grow malloc's heap (page faults)
     prefill, prefill_vectorised = [], 0
     for _ in range(repeats):
         st = fresh()
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="full32,gemma3,gptoss")
     p.add_argument("--batch", default="64,256,1024")
-    p.add_argument("--repeats", type=int, default=3, help="prefill repetitions (median)")
+    p.add_argument("--repeats", type=int, default=5, help="prefill repetitions (median), after one warm-up")
     p.add_argument("--num-blocks", type=int, help="pool size instead of the oracle's formula (pool-growth check)")
     p.add_argument("--compare-one-program", action="store_true",
                    help=f"also time the whole decode_step as one program per step, alternating with the idle-first "

@@ -32,6 +32,11 @@ def _num_counters(G: int) -> int:
     return len(REQUEST_COUNTERS) + len(GROUP_COUNTERS) * G
 
 
+def _groups_of(counts: jax.Array) -> int:
+    """G, from the width of counts rows."""
+    return (counts.shape[-1] - len(REQUEST_COUNTERS)) // len(GROUP_COUNTERS)
+
+
 def _columns(name: str, G: int) -> tuple[int, int]:
     """(first column, width) of counter ``name`` in a counts row of ``G`` groups."""
     if name in REQUEST_COUNTERS:
@@ -44,7 +49,7 @@ def _columns(name: str, G: int) -> tuple[int, int]:
 def counter(counts: jax.Array, name: str) -> jax.Array:
     """Counter ``name`` of counts rows ``i32[..., 3 + 4G]``: ``i32[...]`` for a request counter,
     ``i32[..., G]`` for a group counter."""
-    start, width = _columns(name, (counts.shape[-1] - len(REQUEST_COUNTERS)) // len(GROUP_COUNTERS))
+    start, width = _columns(name, _groups_of(counts))
     return counts[..., start] if name in REQUEST_COUNTERS else counts[..., start:start + width]
 
 
@@ -53,7 +58,7 @@ def set_counters(counts: jax.Array, at, group: int | None = None, **values) -> j
     as one row scatter. Values broadcast against the rows: a request counter's to ``at``'s shape, a
     group counter's to ``at``'s shape + ``[G]``, or to ``at``'s shape alone with ``group`` (static: set
     only that group's column)."""
-    G = (counts.shape[-1] - len(REQUEST_COUNTERS)) // len(GROUP_COUNTERS)
+    G = _groups_of(counts)
     rows = counts[at]
     for name, value in values.items():
         start, width = _columns(name, G)
