@@ -8,7 +8,7 @@ program; it reports whether its vectorised path ran); a decode step = every requ
 Both programs are compiled without their sequential fallback (``fallback=False``: a smaller program, a
 cheaper call); where one could not vectorise, ``schedule_batch`` runs as a second program within the timing.
 A decode step first runs ``idle_decode`` (a read-only check of whether the step only counts the token, the
-usual step, with the counts it would leave); when a block moves the whole ``decode_step`` runs next, within the
+usual step, with the state it would leave); when a block moves the whole ``decode_step`` runs next, within the
 timing.
 Times are wall clock after compilation, with ``block_until_ready``; decode is the median of the 32 steps, prefill the median of
 ``--repeats`` fresh prefills after an untimed one. Run: ``python benchmarks/allocator_step.py [--models full32,gemma3,gptoss]

@@ -577,7 +577,8 @@ def idle_decode(layout: Layout, state: AllocatorState, slots) -> tuple[Allocator
     Returns ``(state, idle bool[])``.
     Inside one jitted serving step use ``decode_step``.
     """
-    counts, idle = _idle_decode(layout, _DecodeInputs(state.counts, _decode_tables(layout, state)), slots)
+    tables = state.tables if _release_groups(layout) else None
+    counts, idle = _idle_decode(layout, _DecodeInputs(state.counts, tables), slots)
     return _replace(state, counts=counts), idle
 
 
@@ -591,10 +592,6 @@ class _DecodeInputs(NamedTuple):
 def _release_groups(layout: Layout) -> list[int]:
     """The groups that may release blocks in a decode step (out of the window or chunk; Mamba states)."""
     return [g for g in range(layout.num_groups) if not isinstance(layout.groups[g].spec, FullAttentionSpec)]
-
-
-def _decode_tables(layout: Layout, state: AllocatorState):
-    return state.tables if _release_groups(layout) else None
 
 
 @functools.partial(jax.jit, static_argnums=0)

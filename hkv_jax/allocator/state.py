@@ -63,12 +63,12 @@ def set_counters(counts: jax.Array, at, group: int | None = None, **values) -> j
     for name, value in values.items():
         start, width = _columns(name, G)
         value = jnp.asarray(value, jnp.int32)
-        per_group = name in GROUP_COUNTERS and group is None
-        if per_group and value.ndim not in (0, rows.ndim):
+        if name in REQUEST_COUNTERS or group is not None:  # one column
+            start += 0 if name in REQUEST_COUNTERS else group
+            width, value = 1, value[..., None]
+        elif value.ndim not in (0, rows.ndim):
             # An i32[B] value would broadcast along the groups axis (silently, when B == G).
             raise ValueError(f"{name}: give one value per group (shape [..., G] or [..., 1]), got {value.shape}")
-        if not per_group:
-            start, width, value = start + (group if name in GROUP_COUNTERS else 0), 1, value[..., None]
         cols = rows[..., start:start + width]
         rows = rows.at[..., start:start + width].set(jnp.broadcast_to(value, cols.shape))
     return counts.at[at].set(rows)
