@@ -1,6 +1,6 @@
 """Window-aware eviction: prefix-cache hit rate of a multi-turn chat on a sliding-window + full model.
 
-Writes a trace (``shared/trace-format.md``) of ``--conversations`` chats of ``--turns`` turns each, served
+Writes a trace (``docs/trace-format.md``) of ``--conversations`` chats of ``--turns`` turns each, served
 ``--concurrency`` requests at a time: every turn's prompt is the whole conversation so far plus a new
 question, and every answer is decoded one token per step. Turns of other conversations run between two
 turns of one chat, so under a small pool some cached history is evicted before it is asked for again.

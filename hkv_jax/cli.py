@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="also draw the memory layout and capacity chart")
     p.set_defaults(func=_cmd_plan)
     r = sub.add_parser("replay", help="run a trace of scheduler decisions through the allocator")
-    r.add_argument("trace", help="trace file (format: shared/trace-format.md)")
-    r.add_argument("-o", "--output", help="write the result JSON here (compare with shared/tools/compare_replay.py)")
+    r.add_argument("trace", help="trace file (format: docs/trace-format.md)")
+    r.add_argument("-o", "--output", help="write the result JSON here (compare with tools/compare_replay.py)")
     r.add_argument("--policy", choices=POLICIES, default="vllm", help="planner policy (default vllm: the conformance mode)")
     r.add_argument("--engine", choices=("jax", "model"), default="jax",
                    help="jax: the jitted allocator (default); model: the plain-Python statement of the rules")

@@ -5,7 +5,7 @@ that share one page size, picks the block size of every group, the number of
 blocks of the pool, and the shared tensors (tensor ``i`` holds slot ``i`` of
 every block; the i-th layer of each group lives in it).
 
-Policies (``shared/SEMANTICS.md``, "Planning", states ``vllm`` exactly):
+Policies (``docs/SEMANTICS.md``, "Planning", states ``vllm`` exactly):
 
 ``vllm``
     vLLM 0.33's grouping: group size is the smallest bucket's layer count

@@ -74,7 +74,7 @@ class AttentionSpec:
         return block_size * self.bytes_per_token
 
     def to_dict(self) -> dict[str, Any]:
-        """The layer as a trace-format layer object (``shared/trace-format.md``)."""
+        """The layer as a trace-format layer object (``docs/trace-format.md``)."""
         d: dict[str, Any] = {"name": self.name, "type": self.kind}
         for f in dataclasses.fields(self):
             if f.name != "name":
@@ -195,7 +195,7 @@ _ATTENTION_TYPES: dict[str, type[AttentionSpec]] = {
 
 
 def layer_from_dict(d: dict[str, Any]) -> LayerSpec:
-    """Build a spec from a trace-format layer object (``shared/trace-format.md`` 1.1).
+    """Build a spec from a trace-format layer object (``docs/trace-format.md`` 1.1).
 
     Raises ``ValueError`` naming the layer for unknown types or bad fields.
     """

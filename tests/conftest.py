@@ -1,4 +1,4 @@
-"""Shared test helpers: where the team's shared folder (traces, tools) lives; compile settings."""
+"""Shared test helpers: the conformance traces (in the repo), compile settings, small models, oracles."""
 
 from __future__ import annotations
 
@@ -15,20 +15,22 @@ import pytest
 
 from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-# The team's shared folder sits beside the checkout (CI lays it there too); HKV_SHARED overrides.
-SHARED = Path(os.environ.get("HKV_SHARED") or Path(__file__).resolve().parents[2] / "shared")
-TRACES = sorted(p for p in (SHARED / "traces").glob("*.json") if not p.name.endswith(".expected.json"))
+ROOT = Path(__file__).resolve().parents[1]
+# vLLM 0.33's answers on the conformance traces (docs/trace-format.md), and the tool that compares results.
+TRACE_DIR = ROOT / "tests" / "data" / "traces"
+TRACES = sorted(p for p in TRACE_DIR.glob("*.json") if not p.name.endswith(".expected.json"))
+COMPARE = ROOT / "tools" / "compare_replay.py"
 
 
 def load_trace(path: Path) -> tuple[dict, dict]:
-    """(trace, expected result) of a shared trace."""
+    """(trace, expected result) of a conformance trace."""
     return json.loads(path.read_text()), json.loads(path.with_suffix(".expected.json").read_text())
 
 
 def require_traces() -> None:
-    """Fail loudly (not skip) when the shared traces are missing: CI always has them."""
+    """Fail loudly (not skip) when the conformance traces are missing: they live in the repo."""
     if not TRACES:
-        pytest.fail(f"no shared traces found under {SHARED / 'traces'}")
+        pytest.fail(f"no conformance traces found under {TRACE_DIR}")
 
 
 # Small hybrid models (block size 4 in the tests) for the allocator's property and equivalence tests.

@@ -1,16 +1,14 @@
-"""Conformance: every shared trace replays exactly as vLLM 0.33 answered it (strict: block ids too)."""
+"""Conformance: every trace of tests/data/traces replays exactly as vLLM 0.33 answered it (strict: block ids too)."""
 
 import json
 import subprocess
 import sys
 
 import pytest
-from conftest import SHARED, TRACES, load_trace, require_traces
+from conftest import COMPARE, TRACES, load_trace, require_traces
 
 from hkv_jax.allocator.replay import run_trace
 from hkv_jax.cli import main
-
-COMPARE = SHARED / "tools" / "compare_replay.py"
 
 
 def test_there_are_traces():

@@ -1,4 +1,4 @@
-"""A plain-Python model of the allocator rules in ``shared/SEMANTICS.md``.
+"""A plain-Python model of the allocator rules in ``docs/SEMANTICS.md``.
 
 Written from the rules, object by object and without any cleverness, so that
 it can serve as the independent oracle for the jitted allocator (property

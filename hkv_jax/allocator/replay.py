@@ -1,4 +1,4 @@
-"""``hkv replay``: run a trace (``shared/trace-format.md``) through the allocator, write the result."""
+"""``hkv replay``: run a trace (``docs/trace-format.md``) through the allocator, write the result."""
 
 from __future__ import annotations
 
