@@ -36,7 +36,7 @@ def main() -> None:
     for rid, toks in sorted(streams.items()):
         print(f"request {rid}: {toks} (prefix-cache hit: {engine.requests[rid].cache_hit} tokens)")
     s = engine.stats
-    print(f"{s.steps} steps, {s.host_to_device} host->device and {s.device_to_host} device->host transfers")
+    print(f"{s.steps} steps, {s.host_to_device_bytes} bytes host->device, {s.device_to_host} reads back")
 
 
 if __name__ == "__main__":

@@ -123,8 +123,9 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "steps_per_s": round(s.steps / elapsed, 2),
         "prefix_cache_hit_rate": round(s.cache_hit_tokens / max(s.prompt_tokens, 1), 3),
         "preemptions": s.preemptions, "compilations": engine.compilations(),
-        "transfers_per_step": {"host_to_device": s.host_to_device / max(s.steps, 1),
-                               "device_to_host": s.device_to_host / max(s.steps, 1)},
+        "host_to_device_bytes_per_step": round(s.host_to_device_bytes / max(s.steps, 1)),
+        "device_to_host_reads_per_step": s.device_to_host / max(s.steps, 1),
+        "prepare_calls": s.prepare_calls,
         "groups": [f"{g.spec.kind}({len(g.layer_names)})" for g in engine.config.groups],
         "peak_blocks_per_group": peak_blocks,
         "peak_kv_bytes": peak_ours, "naive_full_attention_kv_bytes": peak_naive,
@@ -142,8 +143,8 @@ def format_summary(summary: dict) -> str:
         f"{s['steps_per_s']} steps/s",
         f"prefix cache: {100 * s['prefix_cache_hit_rate']:.1f}% of prompt tokens hit; "
         f"{s['preemptions']} preemptions",
-        f"transfers per step: {s['transfers_per_step']['host_to_device']:.0f} host->device, "
-        f"{s['transfers_per_step']['device_to_host']:.0f} device->host",
+        f"per step: {s['host_to_device_bytes_per_step']} bytes host->device (plan, releases, new prompts), "
+        f"{s['device_to_host_reads_per_step']:.0f} read back; {s['prepare_calls']} steps released or admitted",
         "peak blocks in use per group: " + ", ".join(
             f"{g}: {n}" for g, n in zip(s["groups"], s["peak_blocks_per_group"])),
         f"peak KV memory: {kib(s['peak_kv_bytes'])} (hybrid pool) vs {kib(s['naive_full_attention_kv_bytes'])} "

@@ -46,22 +46,39 @@ HYBRID_MODELS = {
 }
 
 
-def semantic(st, layout):
-    """What two allocator states must share to be equal in behaviour: queue order, refs, tables,
-    computed tokens, which blocks are cached and where lookups land (not the table slots)."""
+def _lookups(cache, keys, full):
+    """Block each key is cached under, per group (``i32[G, K]``), -1 where ``full`` is False."""
+    import jax
     import jax.numpy as jnp
 
     from hkv_jax.allocator import prefix_cache as pc
+
+    groups = jnp.arange(cache.num_groups, dtype=jnp.int32)
+    found = jax.vmap(lambda g: pc.lookup(cache, keys, jnp.full(keys.shape[0], g)))(groups)
+    return jnp.where(full[None, :], found, -1)
+
+
+_LOOKUPS = []  # the jitted ``_lookups``, made on first use (jax is imported late: see the top)
+
+
+def semantic(st, layout):
+    """What two allocator states must share to be equal in behaviour: queue order, refs, tables,
+    computed tokens, which blocks are cached and where lookups of every request's full blocks land
+    (not the table slots)."""
+    import jax
+
     from hkv_jax.allocator.pool import queue_order
 
-    keys = np.asarray(st.hashes).reshape(-1, 4)
+    if not _LOOKUPS:
+        _LOOKUPS.append(jax.jit(_lookups))
+    # The hashes of every request's full blocks (past them a slot's hashes are unspecified).
+    full = np.arange(st.hashes.shape[1])[None, :] < np.asarray(st.num_tokens)[:, None] // layout.block_size
     out = {"queue": queue_order(st.bp.pool), "free": int(st.bp.pool.num_free),
            "ref_count": np.asarray(st.bp.pool.ref_count).tolist(), "status": np.asarray(st.status).tolist()}
     for f in ("tables", "table_len", "num_computed", "num_cached", "retired", "last_state"):
         out[f] = np.asarray(getattr(st, f)).tolist()
     out["cached"] = (np.asarray(st.bp.cache.block_slot) >= 0).tolist()
-    out["lookups"] = [np.asarray(pc.lookup(st.bp.cache, jnp.asarray(keys), jnp.full(len(keys), g, jnp.int32))).tolist()
-                      for g in range(layout.num_groups)]
+    out["lookups"] = np.asarray(_LOOKUPS[0](st.bp.cache, st.hashes.reshape(-1, 4), full.reshape(-1))).tolist()
     return out
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from hkv_jax.allocator import ops
+from hkv_jax.allocator.prefill import SORTED_HIT_LENGTHS, computes_shared_block
 from hkv_jax.allocator.hashing import np_block_hashes
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.planner import plan
@@ -82,7 +83,7 @@ def test_prefill_batch_equals_sequential_schedules(model):
 def test_shared_computed_blocks_are_found(batch, max_hit):
     """``_computes_shared_block`` equals the definition: two requests agree at the larger hit length."""
     rng = np.random.default_rng(batch)
-    check = jax.jit(ops._computes_shared_block)
+    check = jax.jit(computes_shared_block)
     seen, lengths = set(), set()
     for _ in range(30):
         toks = rng.integers(1, 3, (batch, 12 * BS))  # two tokens: many shared prefixes
@@ -95,7 +96,7 @@ def test_shared_computed_blocks_are_found(batch, max_hit):
         got = check(jnp.asarray(hashes), jnp.asarray(nhit, jnp.int32), jnp.asarray(nfull, jnp.int32))
         assert bool(got) == want
         seen.add(want)
-        lengths.add(len(set(nhit[nhit < nfull])) > ops._SORTED_HIT_LENGTHS)
+        lengths.add(len(set(nhit[nhit < nfull])) > SORTED_HIT_LENGTHS)
     assert seen == {True, False} and lengths == ({False} if max_hit < 8 else {True, False})
 
 

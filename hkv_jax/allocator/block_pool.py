@@ -43,9 +43,15 @@ def free_blocks(state: BlockPoolState, blocks: jax.Array, front: bool = False) -
     ``front`` (static): freed blocks go to the front of the queue even when cached (they keep
     their cache entry until popped), except blocks that served a prefix hit: window-aware eviction.
     """
+    return BlockPoolState(pool=P.free_ordered(state.pool, blocks, to_back(state.cache, blocks, front)),
+                          cache=state.cache)
+
+
+def to_back(cache: pc.PrefixCache, blocks: jax.Array, early: jax.Array | bool = False) -> jax.Array:
+    """Which of ``blocks`` go to the back of the free queue once free: those holding a cache entry,
+    unless released ``early`` (leaving a window, window-aware eviction) without having served a hit."""
     b = jnp.maximum(blocks, 0)
-    cached = (state.cache.block_slot[b] >= 0) & ~(front & ~state.cache.hit[b])
-    return BlockPoolState(pool=P.free_ordered(state.pool, blocks, cached), cache=state.cache)
+    return (cache.block_slot[b] >= 0) & ~(early & ~cache.hit[b])
 
 
 def touch(state: BlockPoolState, blocks: jax.Array) -> BlockPoolState:

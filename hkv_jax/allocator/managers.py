@@ -1,9 +1,12 @@
-"""Per-type rules in jnp (skipped tokens, longest cache hit) and the coordinator's fixed point.
+"""vLLM's single-type managers in jnp: each KV cache group type's rules, written once.
 
-Each attention type's hit rule (``SEMANTICS.md``, "Prefix cache") is written
-over a ``found`` matrix, the cached block of every (group, block index), so a
-lookup is one batched probe of the prefix-cache table followed by a few
-vectorised scans; no Python per block.
+For a group of a given spec: which tokens it no longer needs
+(``skipped_tokens``), which table entries a request releases as it advances
+(``release_row``), how many new blocks it takes and where they go
+(``allocation``), and its prefix-cache hit rule (``hit_blocks``). The
+coordinator (``coordinator.py``) combines the groups of a model; the batched
+steps (``prefill.py``, ``decode.py``) broadcast or vmap the same functions over
+requests. Every function is shape-polymorphic in its per-request arguments.
 """
 
 from __future__ import annotations
@@ -11,10 +14,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hkv_jax.allocator import prefix_cache as pc
-from hkv_jax.allocator.state import AllocatorState, Layout
+from hkv_jax.allocator.state import Layout
 from hkv_jax.planner import cdiv
-from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from hkv_jax.spec import ChunkedLocalSpec, MambaSpec, SlidingWindowSpec
 
 
 def skipped_tokens(spec, num_computed: jax.Array) -> jax.Array:
@@ -28,13 +30,66 @@ def skipped_tokens(spec, num_computed: jax.Array) -> jax.Array:
     return jnp.zeros_like(num_computed)
 
 
+def eviction_order(row: jax.Array, lo, hi) -> jax.Array:
+    """Entries ``row[hi-1], row[hi-2], ..., row[lo]`` then zeros: the order one free call releases them in."""
+    idx = jnp.arange(row.shape[0])
+    pos = hi - 1 - idx
+    return jnp.where(pos >= lo, row[jnp.clip(pos, 0, row.shape[0] - 1)], 0)
+
+
+def release_row(layout: Layout, g: int, row, length, retired, last_state, computed):
+    """Group ``g``'s table row (``i32[M]``, ``length`` entries) after dropping the blocks it no longer
+    needs once ``computed`` tokens are computed (they become the null block).
+
+    Returns (row, retired, released ``i32[2, M]``): the blocks to release as up to two free calls in
+    order (the second only for a Mamba group's previous state block).
+    """
+    spec, bs = layout.groups[g].spec, layout.block_size
+    idx = jnp.arange(row.shape[0])
+    skip = skipped_tokens(spec, computed)
+    sb = jnp.where(skip > 0, jnp.minimum(skip // bs, length), 0)
+    if isinstance(spec, MambaSpec):
+        freed = eviction_order(row, retired, sb)
+        row = jnp.where((idx >= retired) & (idx < sb), 0, row)
+        retired = jnp.where(retired < sb, sb, retired)
+        ls = last_state
+        drop = (ls >= 0) & (ls < cdiv(computed, bs) - 1) & (row[jnp.maximum(ls, 0)] != 0)
+        second = jnp.zeros_like(row).at[0].set(jnp.where(drop, row[jnp.maximum(ls, 0)], 0))
+        row = jnp.where(drop & (idx == ls), 0, row)
+        return row, retired, jnp.stack([freed, second])
+    # Walk back from the last skipped entry, stopping at the first null one (released earlier).
+    last_null = jnp.max(jnp.where((idx < sb) & (row == 0), idx, -1))
+    freed = eviction_order(row, last_null + 1, sb)
+    row = jnp.where((idx > last_null) & (idx < sb), 0, row)
+    return row, retired, jnp.stack([freed, jnp.zeros_like(row)])
+
+
+def allocation(layout: Layout, g: int, held, main, need, last_state):
+    """New blocks of group ``g`` for a request whose table holds ``held`` entries (its hit blocks
+    included) and that will hold ``main`` tokens (``need``: ``main`` capped at ``max_model_len``).
+
+    Returns (count, table index of the first new block, table length after, ``last_state`` after).
+    Attention groups take a block for every token to hold (the skipped ones are nulls already);
+    a Mamba group takes one block, the state after the last block boundary, and remembers the
+    previous state block (released once the next is computed).
+    """
+    bs = layout.block_size
+    if layout.is_mamba(g):
+        required = cdiv(main, bs)
+        grow = required > held
+        return (grow.astype(jnp.int32), required - 1, jnp.where(grow, required, held),
+                jnp.where(grow & (held > 0), held - 1, last_state))
+    count = jnp.maximum(cdiv(need, bs) - held, 0)
+    return count, held, held + count, last_state
+
+
 def _first_false(mask: jax.Array, start: jax.Array | int = 0) -> jax.Array:
     """Smallest index >= start where ``mask`` is False (len(mask) if none)."""
     idx = jnp.arange(mask.shape[0])
     return jnp.min(jnp.where((idx >= start) & ~mask, idx, mask.shape[0]))
 
 
-def _hit_one(spec, bs: int, found: jax.Array, all_found: jax.Array, max_len: jax.Array):
+def hit_blocks(spec, bs: int, found: jax.Array, all_found: jax.Array, max_len: jax.Array):
     """Longest hit of one spec group within ``max_len`` tokens.
 
     ``found``: ``i32[k, H]`` cached block per group of the spec group and block
@@ -65,58 +120,3 @@ def _hit_one(spec, bs: int, found: jax.Array, all_found: jax.Array, max_len: jax
         nblocks = jnp.minimum(_first_false(all_found, start), nmax)
         keep = (idx >= start) & (idx < nblocks)
     return jnp.where(keep[None, :], found, 0), nblocks * bs
-
-
-def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: jax.Array | None = None):
-    """Longest prefix-cache hit of the waiting request in ``slot``; ``key_slots: i32[G, H]``, optional:
-    the cache entry ids of its keys (``prefix_cache.row_entries``), when the caller already looked them up.
-
-    Returns (hit blocks ``i32[G, H]`` (entries past the hit are 0), hit tokens,
-    shared-prefix boundary: a longer prefix some group alone could serve, or 0).
-    """
-    bs, G = layout.block_size, layout.num_groups
-    hashes = state.hashes[slot]  # u32[H, 4]
-    H = hashes.shape[0]
-    nh = state.num_tokens[slot] // bs
-    valid = jnp.arange(H) < nh
-    if key_slots is None:  # one probe per hash: its slot holds every group's entry
-        key_slots = pc.row_entries(state.bp.cache, pc.find_slots(state.bp.cache, hashes)).T
-    found = pc.block_at(state.bp.cache, key_slots)
-    found = jnp.where(valid[None, :], found, 0)
-    sgs = [(layout.groups[sg[0]].spec, list(sg)) for sg in layout.spec_groups]
-    all_found = [jnp.all(found[jnp.array(sg)] > 0, axis=0) for _, sg in sgs]
-
-    blocks = jnp.zeros((G, H), jnp.int32)
-    hit = state.num_tokens[slot] - 1
-    cur = hit
-    longest = jnp.int32(0)
-    full_len = {}
-    # First pass: every spec group computes its hit (full attention first).
-    for k, (spec, sg) in enumerate(sgs):
-        b, cur = _hit_one(spec, bs, found[jnp.array(sg)], all_found[k], cur)
-        blocks = blocks.at[jnp.array(sg)].set(b)
-        longest = jnp.maximum(longest, cur)
-        if isinstance(spec, FullAttentionSpec):
-            full_len[k] = cur
-
-    def one_pass(carry):
-        hit, cur, longest, blocks = carry
-        hit = cur
-        for k, (spec, sg) in enumerate(sgs):
-            if k in full_len:
-                cur = jnp.minimum(cur, full_len[k])
-                continue
-            b, cur = _hit_one(spec, bs, found[jnp.array(sg)], all_found[k], cur)
-            blocks = blocks.at[jnp.array(sg)].set(b)
-            longest = jnp.maximum(longest, cur)
-        return hit, cur, longest, blocks
-
-    if not layout.simple_hybrid:
-        # Repeat until no type shrinks the candidate (the fixed point); lengths only decrease.
-        hit, cur, longest, blocks = jax.lax.while_loop(
-            lambda c: c[1] < c[0], one_pass, (hit, cur, longest, blocks)
-        )
-    hit = cur
-    blocks = jnp.where(jnp.arange(H)[None, :] < hit // bs, blocks, 0)
-    boundary = jnp.where(longest > hit, longest, 0)
-    return blocks, hit, boundary

@@ -1,8 +1,8 @@
 """The block pool as a pytree: ref counts and the LRU free queue, updated by pure jitted functions.
 
 vLLM keeps the free queue as a doubly linked list of block objects. Here it is
-a circular array ``queue`` of block ids between two absolute positions
-``head`` and ``tail``, plus each free block's position ``pos``. Then
+a circular array ``queue`` of block ids between two ends ``head`` and ``tail``,
+plus each free block's queue index ``pos``. Then
 
 - popping ``n`` blocks from the head reads a window of ``n + HOLE_SLACK``
   entries after ``head`` (no pass over the whole pool),
@@ -12,9 +12,15 @@ a circular array ``queue`` of block ids between two absolute positions
   a hole (id 0) that pops skip,
 
 all with O(number of blocks moved) updates and vLLM's exact order
-(``SEMANTICS.md``, "Free queue and eviction"). When holes crowd the window or
+(``docs/SEMANTICS.md``, "Free queue and eviction"). When holes crowd the window or
 the span ``tail - head`` would exceed the array, the queue is compacted once
 (O(num_blocks), rare). The null block 0 is never in the queue.
+
+Positions are modular: ``head`` is brought back into ``[0, num_blocks)`` after
+every move and ``pos`` holds indices into ``queue``, so no counter grows with
+the pool's age (a server that takes and frees blocks for weeks never wraps
+int32). Readers work from ``head % num_blocks`` and the span ``tail - head``,
+so any offset of the two ends is read correctly.
 """
 
 from __future__ import annotations
@@ -43,11 +49,12 @@ class BlockPool:
     Fields:
       ref_count: ``i32[num_blocks]`` requests (table entries) holding each block.
       queue: ``i32[num_blocks]`` circular array of free block ids in queue order, 0 = hole; entries
-        outside ``[head, tail)`` are stale (never read).
-      pos: ``i32[num_blocks]`` absolute queue position of each free block (``ref_count == 0``); stale
+        outside positions ``[head, tail)`` (taken modulo ``num_blocks``) are stale (never read).
+      pos: ``i32[num_blocks]`` index into ``queue`` of each free block (``ref_count == 0``); stale
         for a held block (read only when the block is free), -1 for the null block.
-      head: ``i32[]`` absolute position of the first queue entry (``queue[head % num_blocks]``).
-      tail: ``i32[]`` absolute position one past the last entry.
+      head: ``i32[]`` position of the first queue entry (``queue[head % num_blocks]``); kept in
+        ``[0, num_blocks)``.
+      tail: ``i32[]`` position one past the last entry: ``head <= tail <= head + num_blocks``.
       num_free: ``i32[]`` blocks in the queue.
     """
 
@@ -62,6 +69,18 @@ class BlockPool:
     def num_blocks(self) -> int:
         """Blocks in the pool, null block included (static)."""
         return self.ref_count.shape[0]
+
+
+def _span(pool: BlockPool) -> tuple[jax.Array, jax.Array]:
+    """(index of the head in ``queue``, entries between head and tail): the queue read from any offset."""
+    return pool.head % pool.num_blocks, pool.tail - pool.head
+
+
+def _with_ends(pool: BlockPool, head: jax.Array, tail: jax.Array, **fields) -> BlockPool:
+    """``pool`` with the queue ends moved to ``head``/``tail`` (positions relative to ``_span``'s head
+    index, within one lap of it), the head brought back into ``[0, num_blocks)``."""
+    lap = jnp.floor_divide(head, pool.num_blocks) * pool.num_blocks
+    return replace(pool, head=head - lap, tail=tail - lap, **fields)
 
 
 def init_pool(num_blocks: int) -> BlockPool:
@@ -82,8 +101,9 @@ def init_pool(num_blocks: int) -> BlockPool:
 def compact(pool: BlockPool) -> BlockPool:
     """The same queue without holes, starting at position 0 (O(num_blocks))."""
     n = pool.num_blocks
-    abs_pos = pool.head + jnp.arange(n)
-    entries = jnp.where(abs_pos < pool.tail, pool.queue[abs_pos % n], 0)
+    head, span = _span(pool)
+    lanes = jnp.arange(n)
+    entries = jnp.where(lanes < span, pool.queue[(head + lanes) % n], 0)
     valid = entries > 0
     new_pos = running_count(valid) - 1
     queue = jnp.zeros(n, jnp.int32).at[jnp.where(valid, new_pos, n)].set(entries, mode="drop")
@@ -105,9 +125,9 @@ def pop_plan(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOL
     ``max_count + slack`` entries after the head (holes skipped)."""
     n = pool.num_blocks
     width = min(max_count + slack, n)
-    abs_pos = pool.head + jnp.arange(width)
-    entries = jnp.where(abs_pos < pool.tail, pool.queue[abs_pos % n], 0)
+    head, span = _span(pool)
     lanes = jnp.arange(width)
+    entries = jnp.where(lanes < span, pool.queue[(head + lanes) % n], 0)
 
     def solid():
         """No hole among the first ``count`` entries (the usual case): they are the blocks."""
@@ -139,7 +159,9 @@ def pop_apply(pool: BlockPool, plan: PopPlan, hold: bool = True) -> BlockPool:
     if hold:
         pool = replace(pool, ref_count=pool.ref_count.at[jnp.where(plan.take, plan.entries, pool.num_blocks)].set(
             1, mode="drop"))
-    return replace(pool, head=pool.head + last + 1, num_free=pool.num_free - jnp.sum(plan.take, dtype=jnp.int32))
+    head, span = _span(pool)
+    return _with_ends(pool, head + last + 1, head + span,
+                      num_free=pool.num_free - jnp.sum(plan.take, dtype=jnp.int32))
 
 
 def pop_free(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOLE_SLACK) -> tuple[BlockPool, jax.Array]:
@@ -175,40 +197,94 @@ def touch(pool: BlockPool, blocks: jax.Array) -> BlockPool:
     )
 
 
+class Release(NamedTuple):
+    """Where the blocks of a batch of free calls go (``plan_free``); applied by ``apply_free``."""
+
+    blocks: jax.Array    # i32[C, W]: call c drops one reference from each non-null blocks[c, i]
+    now_free: jax.Array  # bool[C, W]: the entry that drops the block's last reference
+    to_front: jax.Array  # bool[C, W]: ... and the block goes to the front of the queue (uncached)
+    fits: jax.Array      # bool[]: the queue array has room for them without compaction
+
+
+def plan_free(pool: BlockPool, blocks: jax.Array, cached: jax.Array, distinct: bool = False) -> Release:
+    """Read-only: where the blocks of ``C`` free calls go, one call per row of ``blocks: i32[C, W]``
+    (each row in eviction priority order, 0 = none; ``cached: bool[C, W]``: the block keeps a cache
+    entry, so it goes to the back). A block may appear in several calls (requests sharing it): it is
+    free after the last. ``distinct`` (static): the caller knows every id appears once (cheaper)."""
+    N = pool.num_blocks
+    flat = blocks.reshape(-1)
+    K = flat.shape[0]
+    valid = flat > 0
+    fb = jnp.where(valid, flat, 0)
+    lane = jnp.arange(K, dtype=jnp.int32)
+    if distinct or K == 0:
+        drops, is_last = jnp.ones(K, jnp.int32), jnp.ones(K, bool)
+    elif K * 8 >= N:  # many entries: count them in pool-sized arrays (O(K + N))
+        at = jnp.where(valid, flat, N)
+        drops = jnp.zeros(N, jnp.int32).at[at].add(1, mode="drop")[fb]
+        is_last = jnp.full(N, -1, jnp.int32).at[at].max(lane, mode="drop")[fb] == lane
+    else:  # few: runs of equal ids in a stable sort give each id's count and last entry (O(K log K))
+        order = jnp.argsort(flat, stable=True)
+        ids = flat[order]
+        starts = jnp.concatenate([jnp.ones(1, bool), ids[1:] != ids[:-1]])
+        ends = jnp.concatenate([ids[1:] != ids[:-1], jnp.ones(1, bool)])
+        run_start = jax.lax.cummax(jnp.where(starts, lane, 0))
+        run_end = jax.lax.cummin(jnp.where(ends, lane, K), reverse=True)
+        drops = jnp.zeros(K, jnp.int32).at[order].set(run_end - run_start + 1)
+        is_last = jnp.zeros(K, bool).at[order].set(ends)
+    now_free = valid & (pool.ref_count[fb] == drops) & is_last
+    to_front = now_free & ~cached.reshape(-1)
+    fits = pool.tail - pool.head + jnp.sum(now_free, dtype=jnp.int32) <= N
+    return Release(blocks, now_free.reshape(blocks.shape), to_front.reshape(blocks.shape), fits)
+
+
+def apply_free(pool: BlockPool, rel: Release) -> BlockPool:
+    """Drop one reference per entry of ``rel`` (``plan_free`` on this pool); blocks reaching 0 join the
+    queue as one call each would put them: at the front when uncached (a later call's blocks in front
+    of an earlier call's, each call's in its own order, its first block the new head), at the back
+    otherwise (in call order). Needs ``rel.fits`` (``free_calls`` compacts first where it does not)."""
+    N = pool.num_blocks
+    flat, now_free, to_front = rel.blocks.reshape(-1), rel.now_free.reshape(-1), rel.to_front.reshape(-1)
+    to_back = now_free & ~to_front
+    front = rel.to_front.astype(jnp.int32)                                   # [C, W]
+    per_call = jnp.sum(front, axis=1)
+    later_calls = jnp.cumsum(per_call[::-1])[::-1] - per_call                 # front blocks of later calls
+    front_rank = (later_calls[:, None] + jnp.cumsum(front, axis=1) - front).reshape(-1)
+    n_front, n_back = jnp.sum(to_front, dtype=jnp.int32), jnp.sum(to_back, dtype=jnp.int32)
+    head, span = _span(pool)
+    new_pos = jnp.where(to_front, head - n_front + front_rank,
+                        head + span + jnp.cumsum(to_back, dtype=jnp.int32) - 1) % N
+    return _with_ends(
+        pool, head - n_front, head + span + n_back,
+        ref_count=pool.ref_count.at[jnp.where(flat > 0, flat, N)].add(-1, mode="drop"),
+        queue=pool.queue.at[jnp.where(now_free, new_pos, N)].set(flat, mode="drop"),
+        pos=pool.pos.at[jnp.where(now_free, flat, N)].set(new_pos, mode="drop"),
+        num_free=pool.num_free + n_front + n_back)
+
+
+def free_calls(pool: BlockPool, blocks: jax.Array, cached: jax.Array, distinct: bool = False) -> BlockPool:
+    """``C`` free calls at once (``plan_free``, then ``apply_free``; the queue compacted first when the
+    array has no room): the same queue as one call after another."""
+    rel = plan_free(pool, blocks, cached, distinct)
+    pool = jax.lax.cond(rel.fits, lambda p: p, compact, pool)
+    return apply_free(pool, rel)
+
+
 def free_ordered(pool: BlockPool, blocks: jax.Array, cached: jax.Array) -> BlockPool:
-    """Drop one reference from each non-null id in ``blocks``, given in eviction priority order.
+    """One free call: drop one reference from each non-null id in ``blocks`` (each at most once),
+    given in eviction priority order.
 
     A block whose count reaches 0 joins the queue: at the front when it holds
     no cache entry (``cached[i]`` False for ``blocks[i]``; the first such block
-    becomes the head), at the back otherwise (in the given order). A block may
-    appear once in ``blocks``.
+    becomes the head), at the back otherwise (in the given order).
     """
-    n = pool.num_blocks
-    valid = blocks > 0
-    ref = pool.ref_count.at[jnp.where(valid, blocks, n)].add(-1, mode="drop")
-    now_free = valid & (ref[jnp.where(valid, blocks, 0)] == 0)
-    to_front = now_free & ~cached
-    to_back = now_free & cached
-    n_front = jnp.sum(to_front, dtype=jnp.int32)
-    n_back = jnp.sum(to_back, dtype=jnp.int32)
-    pool = replace(pool, ref_count=ref)
-    pool = jax.lax.cond(pool.tail - pool.head + n_front + n_back > n, compact, lambda p: p, pool)
-    new_pos = jnp.where(to_front, pool.head - n_front + jnp.cumsum(to_front, dtype=jnp.int32) - 1,
-                        pool.tail + jnp.cumsum(to_back, dtype=jnp.int32) - 1)
-    return replace(
-        pool,
-        queue=pool.queue.at[jnp.where(now_free, new_pos % n, n)].set(blocks, mode="drop"),
-        pos=pool.pos.at[jnp.where(now_free, blocks, n)].set(new_pos, mode="drop"),
-        head=pool.head - n_front,
-        tail=pool.tail + n_back,
-        num_free=pool.num_free + n_front + n_back,
-    )
+    return free_calls(pool, blocks[None], cached[None], distinct=True)
 
 
 def queue_order(pool: BlockPool) -> list[int]:
     """The free blocks in queue order (host-side helper for tests and debugging)."""
     import numpy as np
 
-    q, head, tail = np.asarray(pool.queue), int(pool.head), int(pool.tail)
-    entries = [int(q[p % len(q)]) for p in range(head, tail)]
+    q, head, span = np.asarray(pool.queue), int(pool.head) % pool.num_blocks, int(pool.tail) - int(pool.head)
+    entries = [int(q[(head + i) % len(q)]) for i in range(span)]
     return [b for b in entries if b > 0]

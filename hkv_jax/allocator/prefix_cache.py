@@ -39,7 +39,8 @@ class PrefixCache:
         an entry leaves only when it holds no duplicate).
       block_slot: ``i32[num_blocks]`` entry id (``slot * G + group``) a block is cached under; -1 when
         not cached.
-      cached_at: ``i32[num_blocks]`` insertion clock of each cached block (oldest first).
+      cached_at: ``i32[num_blocks]`` insertion time of each cached block (orders duplicates: the oldest
+        serves hits); only its order among cached blocks matters (``renumber_clock``).
       hit: ``bool[num_blocks]`` the block served a prefix hit since it was cached (a shared prefix:
         window-aware eviction keeps it at the back of the free queue).
       clock: ``i32[]`` next insertion time.
@@ -198,6 +199,21 @@ def evict(cache: PrefixCache, block: jax.Array) -> PrefixCache:
         dups=_set(flat_dups, e0, flat_dups[e0] - 1, has & has_dups).reshape(cache.dups.shape),
         block_slot=_set(cache.block_slot, b, -1, has),
     )
+
+
+# The clock is renumbered past this (``renumber_clock``), far from int32's end: a step inserts < 2^30 blocks.
+CLOCK_LIMIT = 1 << 30
+
+
+def renumber_clock(cache: PrefixCache) -> PrefixCache:
+    """The same cache with insertion times renumbered ``0 .. cached - 1`` in their order (and the clock
+    after them): the clock only grows, so a long-running server calls this (through
+    ``requests.new_step``) before it nears int32's end. O(num_blocks log num_blocks), rarely."""
+    cached = cache.block_slot >= 0
+    n = cached.shape[0]
+    order = jnp.argsort(jnp.where(cached, cache.cached_at, jnp.iinfo(jnp.int32).max), stable=True)
+    rank = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    return replace(cache, cached_at=jnp.where(cached, rank, 0), clock=jnp.sum(cached, dtype=jnp.int32))
 
 
 def is_cached(cache: PrefixCache) -> jax.Array:

@@ -229,3 +229,27 @@ def init_state(layout: Layout) -> AllocatorState:
         hashes=jnp.zeros((R, T // layout.block_size, 4), jnp.uint32),
         tables=jnp.zeros((R, G, M), jnp.int32),
     )
+
+
+# Fields a schedule never changes: kept out of ``lax.cond`` outputs, so XLA need not copy them.
+_READ_ONLY = ("tokens", "salt", "hashes")
+
+
+def switch_mutable(index, fns, state: AllocatorState):
+    """``lax.switch(index, fns, state)`` for functions returning ``(state, aux)`` that leave the fields a
+    schedule never changes (tokens, salt, hashes) as they are: only the other fields pass through the
+    conditional, so XLA need not copy the big read-only arrays in every branch."""
+    def wrap(fn):
+        def run(mutable):
+            st, aux = fn(replace(state, **mutable))
+            return {f: getattr(st, f) for f in mutable}, aux
+        return run
+
+    mutable = {f: getattr(state, f) for f in state.__dataclass_fields__ if f not in _READ_ONLY}
+    out, aux = jax.lax.switch(index, [wrap(f) for f in fns], mutable)
+    return replace(state, **out), aux
+
+
+def cond_mutable(pred, true_fn, false_fn, state: AllocatorState):
+    """``lax.cond`` form of ``switch_mutable``."""
+    return switch_mutable(jnp.where(pred, 0, 1), [true_fn, false_fn], state)

@@ -3,11 +3,14 @@
 ``Engine`` keeps the requests (prompt, generated tokens, computed count) and
 a continuous-batching policy in Python: running requests first (one token
 when decoding, a chunk of at most the remaining token budget when still
-prefilling), then waiting ones while budget and request slots last. Every
-other decision runs on the device in ``step.step`` (one jitted, donated
-program). When the allocator refuses a request (``ok=False``), the latest
-admitted running request is preempted in the next step and waits at the
-front of the queue; its prefix may come back from the cache.
+prefilling), then waiting ones while budget and request slots last. The plan
+lists the decoding requests first, then the running ones with a chunk, then
+the waiting ones (the order the vectorised step batches them in). Every
+other decision runs on the device (``step.py``): ``prepare`` when a step
+releases or admits requests (only the new prompts travel), then ``step``.
+When the allocator refuses a request (``ok=False``), the latest admitted
+running request is preempted in the next step and waits at the front of the
+queue; its prefix may come back from the cache.
 
 Models with Mamba layers: a chunk that starts inside a block stops at the
 next block boundary, so a Mamba state block, once full, holds the state
@@ -23,7 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -35,14 +38,21 @@ from flax import nnx
 from hkv_jax.allocator import ops
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.cache import init_cache
-from hkv_jax.engine.step import EngineState, StepPlan, StepStatic, step
-from hkv_jax.models.tiny import TinyLM
+from hkv_jax.engine.step import Changes, EngineState, StepPlan, StepStatic, prepare, step
 from hkv_jax.planner import plan as plan_cache
 
 
 # Module-level, so engines with the same model graph and sizes share compilations.
 _STEP = jax.jit(step, static_argnums=0, donate_argnums=2)
+_PREPARE = jax.jit(prepare, static_argnums=(0, 3), donate_argnums=1)
 _FORK = jax.jit(ops.fork, static_argnums=0, donate_argnums=1)
+# New prompts travel in a flat buffer of a power-of-two size, at least this many tokens: few shapes of
+# the (small) prepare program.
+_MIN_PROMPT_BUFFER = 64
+
+
+def _nbytes(tree) -> int:
+    return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
 
 
 @dataclass
@@ -82,21 +92,33 @@ class Stats:
     cache_hit_tokens: int = 0
     generated: int = 0
     preemptions: int = 0
-    host_to_device: int = 0
-    device_to_host: int = 0
+    host_to_device_bytes: int = 0   # plans, releases and new prompts
+    device_to_host: int = 0         # reads of a step's report (one per step)
+    prepare_calls: int = 0          # steps that released or admitted requests
     seconds: float = 0.0
 
 
 class Engine:
-    """A serving loop around one jitted step for a ``TinyLM`` (attention and Mamba-2 layers)."""
+    """A serving loop around the jitted step for an NNX model with the ``paged`` protocol
+    (``hkv_jax.models.tiny.TinyLM.paged``: ``cfg.layers``, ``cfg.vocab_size`` and ``paged``).
 
-    def __init__(self, model: TinyLM, *, num_blocks: int, block_size: int = 16, max_requests: int = 8,
+    ``vectorised=False`` runs the allocator request by request (the exact statement, for tests and
+    comparisons). Raises ``ValueError`` for sizes that cannot serve, before anything is compiled.
+    """
+
+    def __init__(self, model, *, num_blocks: int, block_size: int = 16, max_requests: int = 8,
                  max_model_len: int = 256, token_budget: int = 64, policy: str = "vllm",
                  impl: str = "auto", seed: int = 0, prefix_caching: bool = True,
-                 window_aware_eviction: bool = False):
-        if token_budget < 1 or max_requests < 1:
-            raise ValueError("token_budget and max_requests must be positive")
+                 window_aware_eviction: bool = False, vectorised: bool = True):
+        for name, value in (("token_budget", token_budget), ("max_requests", max_requests),
+                            ("max_model_len", max_model_len), ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.config = plan_cache(model.cfg.layers, block_size=block_size, policy=policy, num_blocks=num_blocks)
+        need = self.config.blocks_per_request(max_model_len)
+        if num_blocks - 1 < need:
+            raise ValueError(f"a pool of {num_blocks} blocks (null block included) cannot hold one request of "
+                             f"max_model_len {max_model_len} tokens: it needs {need} blocks besides the null block")
         self.layout = Layout.from_config(self.config, max_model_len=max_model_len, max_requests=max_requests,
                                          window_aware_eviction=window_aware_eviction)
         graphdef, params = nnx.split(model)
@@ -104,7 +126,7 @@ class Engine:
         self.vocab_size = model.cfg.vocab_size
         self.model_layers = model.cfg.layers
         self._align = any(self.layout.is_mamba(g) for g in range(self.layout.num_groups))
-        self.static = StepStatic(graphdef, self.layout, token_budget, impl)
+        self.static = StepStatic(graphdef, self.layout, token_budget, impl, vectorised)
         self.state = EngineState(init_state(self.layout), init_cache(self.config), jax.random.PRNGKey(seed))
         self.requests: dict[int, Request] = {}
         self.waiting: list[int] = []   # request ids, front first
@@ -152,17 +174,21 @@ class Engine:
             n = min(n, bs - r.computed % bs)  # Mamba: stop at the block boundary
         return n
 
-    def _plan(self) -> tuple[StepPlan, list[int], list[int]]:
-        R, L = self.layout.max_requests, self.layout.max_model_len
+    def _plan(self) -> tuple[StepPlan, Changes | None, list[int], list[int]]:
+        """This step's plan (decoding requests, then running ones with a chunk, then waiting ones), its
+        releases and admissions (``None`` when there are none), the planned request ids and the admitted ones."""
+        R = self.layout.max_requests
         budget = self.static.token_budget
-        picks: list[tuple[int, int]] = []  # (request id, tokens), running first
-        admit: list[int] = []
+        decoding: list[tuple[int, int]] = []  # (request id, tokens)
+        chunked: list[tuple[int, int]] = []
         for rid in self.running:
             r = self.requests[rid]
             n = self._chunk(r, budget)
             if n > 0:
-                picks.append((rid, n))
+                (decoding if n == 1 else chunked).append((rid, n))
                 budget -= n
+        picks = decoding + chunked
+        admit: list[int] = []
         hold, self._hold_admissions = self._hold_admissions, False
         for rid in list(self.waiting):
             if hold or budget <= 0 or len(picks) >= R:
@@ -178,47 +204,60 @@ class Engine:
             picks.append((rid, n))
             budget -= n
         order = [rid for rid, _ in picks]
-        slots = [self.requests[rid].slot for rid in order]
-        want = [n for _, n in picks]
+        slots = np.full(R, -1, np.int32)
+        want = np.zeros(R, np.int32)
+        slots[:len(picks)] = [self.requests[rid].slot for rid in order]
+        want[:len(picks)] = [n for _, n in picks]
+        plan = StepPlan(slots=slots, want=want, sampling=np.array([self.temperature, self.top_p], np.float32))
+        return plan, self._changes(admit), order, admit
+
+    def _changes(self, admit: list[int]) -> Changes | None:
+        """The releases of this step and the prompts of the requests it admits (``None``: nothing)."""
+        if not (admit or self._to_free or self._to_preempt):
+            return None
+        R = self.layout.max_requests
         free = np.zeros(R, bool)
         free[self._to_free] = True
         preempt = np.zeros(R, bool)
         preempt[self._to_preempt] = True
-        new_slot = np.full(R, -1, np.int32)
-        new_tokens = np.zeros((R, L), np.int32)
-        new_len = np.zeros(R, np.int32)
-        new_salt = np.zeros(R, np.uint32)
+        slots = np.full(R, -1, np.int32)
+        lens = np.zeros(R, np.int32)
+        salts = np.zeros(R, np.uint32)
+        prompts: list[int] = []
         for i, rid in enumerate(admit):
             r = self.requests[rid]
             if not self.prefix_caching:
                 self._admissions += 1
                 r.salt = self._admissions
             toks = r.prompt + r.generated
-            new_slot[i], new_len[i], new_salt[i] = r.slot, len(toks), r.salt
-            new_tokens[i, :len(toks)] = toks
-        pad = R - len(slots)
-        plan = StepPlan(
-            free=free, preempt=preempt, new_slot=new_slot, new_tokens=new_tokens, new_len=new_len,
-            new_salt=new_salt, slots=np.array(slots + [-1] * pad, np.int32),
-            want=np.array(want + [0] * pad, np.int32),
-            temperature=np.float32(self.temperature), top_p=np.float32(self.top_p))
-        return plan, order, admit
+            slots[i], lens[i], salts[i] = r.slot, len(toks), r.salt
+            prompts += toks
+        buffer = np.zeros(max(_MIN_PROMPT_BUFFER, 1 << (len(prompts) - 1).bit_length()), np.int32)
+        buffer[:len(prompts)] = prompts
+        return Changes(free=free, preempt=preempt, slots=slots, prompts=buffer, lens=lens, salts=salts)
 
     def step(self) -> list[tuple[int, int]]:
         """Run one step; returns the (request id, token) pairs sampled in it."""
         t0 = time.perf_counter()
-        plan, order, admit = self._plan()
-        if not order and not self._to_free and not self._to_preempt:
+        plan, changes, order, admit = self._plan()
+        if not order and changes is None:
             return []
-        plan = jax.device_put(plan)
-        self.stats.host_to_device += 1
-        self.state, out = _STEP(self.static, self.params, self.state, plan)
-        self.last_output = out  # stays on the device; the host reads only the fields below
-        ok, n, hit, sampled, tokens = jax.device_get((out.ok, out.num_new, out.cache_hit, out.sampled, out.tokens))
-        self.stats.device_to_host += 1
-        self._to_free, self._to_preempt = [], []
+        if changes is not None:
+            alloc = _PREPARE(self.layout, self.state.alloc, changes, self.static.vectorised)
+            self.state = replace(self.state, alloc=alloc)
+            self.stats.host_to_device_bytes += _nbytes(changes)
+            self.stats.prepare_calls += 1
+            self._to_free, self._to_preempt = [], []
         for rid in admit:
             self.requests[rid].admitted = True
+        if not order:  # only releases
+            self.stats.seconds += time.perf_counter() - t0
+            return []
+        self.state, out = _STEP(self.static, self.params, self.state, plan)
+        self.stats.host_to_device_bytes += _nbytes(plan)
+        self.last_output = out  # stays on the device; the host reads only its report
+        ok, n, hit, sampled, tokens = np.asarray(out.report)
+        self.stats.device_to_host += 1
         events = []
         refused = []
         for i, rid in enumerate(order):
@@ -328,8 +367,7 @@ class Engine:
         slot = self._free_slot()
         if slot < 0:
             raise RuntimeError("no free request slot to fork into")
-        self.state = EngineState(_FORK(self.layout, self.state.alloc, parent.slot, slot),
-                                 self.state.cache, self.state.key)
+        self.state = replace(self.state, alloc=_FORK(self.layout, self.state.alloc, parent.slot, slot))
         child = copy.deepcopy(parent)
         child.rid, child.slot = self._next_id, slot
         child.computed = parent.computed // self.layout.block_size * self.layout.block_size

@@ -1,12 +1,28 @@
-"""The jitted serving step: everything after the host's scheduling decision, in one XLA program.
+"""The jitted serving step: everything after the host's scheduling decision, on the device.
 
-``step(static, params, state, plan)`` frees and preempts what the host
-asks, admits new requests, runs the allocator (prefix lookup, allocation,
-block caching) for every scheduled request, builds the attention metadata,
-runs the model's paged forward (KV write + attention for every group),
-samples a token for every request whose known tokens are all computed, and
-appends it. The host reads back only ``StepOutput.tokens`` / ``sampled`` /
-``ok`` / ``num_new`` / ``cache_hit`` (one transfer).
+Two programs, both with the allocator state donated:
+
+- ``prepare(layout, alloc, changes)`` frees and preempts what the host asks and
+  admits new requests (their prompts in one flat buffer whose size is rounded
+  up to a power of two; only the prompts' blocks are hashed). It runs only in
+  steps that release or admit something, and it is small, so a new prompt size
+  recompiles it, never the step.
+- ``step(static, params, state, plan)`` (fixed shapes: one compilation per
+  engine) runs the allocator for every scheduled request (prefix lookup,
+  allocation, block caching), builds the attention metadata, runs the model's
+  paged forward (KV write + attention for every group), computes logits only
+  where a token is sampled, samples (greedy without a sort; temperature +
+  top-p), and appends the sampled tokens.
+
+The allocator runs vectorised (``StepStatic.vectorised``, the default): the plan
+lists decoding requests first (``decode_step``), then running requests that
+compute a chunk (``schedule_batch`` over those lanes only), then waiting ones
+(``prefill_batch``); a batched op whose conditions fail falls back to
+``schedule_batch`` on its lanes, and a plan in another order runs sequentially.
+``vectorised=False`` runs every stage request by request (``schedule`` per
+request, one ``free`` / ``add_request`` / ``append_token`` each): the exact
+statement the vectorised path is tested against. The host reads back one
+``i32[5, R]`` array per step (``StepOutput.report``).
 """
 
 from __future__ import annotations
@@ -18,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hkv_jax.allocator import ops
-from hkv_jax.allocator.state import AllocatorState, Layout
+from hkv_jax.allocator.state import WAITING, AllocatorState, Layout
 from hkv_jax.attention import make_metadata
 from hkv_jax.cache import KVCache
 from kernels_pallas.reference import query_positions
@@ -36,128 +52,203 @@ class EngineState:
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class StepPlan:
-    """The host's decision for one step (fixed shapes; R request slots, A admissions).
+class Changes:
+    """Releases and admissions of one step (``R`` request slots, ``P`` prompt tokens).
 
-    ``free, preempt: bool[R]``; ``new_slot: i32[A]`` (-1: none) with
-    ``new_tokens: i32[A, max_model_len]``, ``new_len: i32[A]``, ``new_salt: u32[A]``;
-    ``slots: i32[R]`` requests to run in order and ``want: i32[R]`` tokens each
-    (0: padding); ``temperature, top_p: f32[]``.
+    ``free, preempt: bool[R]`` per slot; ``slots: i32[R]`` admitted slots (-1: none), their prompts
+    one after another in ``prompts: i32[P]`` (``lens: i32[R]`` tokens each; the rest is padding),
+    ``salts: u32[R]`` their cache salts.
     """
 
     free: jax.Array
     preempt: jax.Array
-    new_slot: jax.Array
-    new_tokens: jax.Array
-    new_len: jax.Array
-    new_salt: jax.Array
+    slots: jax.Array
+    prompts: jax.Array
+    lens: jax.Array
+    salts: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepPlan:
+    """The host's decision for one step (fixed shapes; ``R`` request slots).
+
+    ``slots: i32[R]`` requests to run in order (-1: padding) and ``want: i32[R]`` tokens each (0:
+    padding); the vectorised step wants decoding requests (``want == 1``, running) first, then other
+    running ones, then waiting ones. ``sampling: f32[2]`` temperature (0: greedy) and top-p.
+    """
+
     slots: jax.Array
     want: jax.Array
-    temperature: jax.Array
-    top_p: jax.Array
+    sampling: jax.Array
+
+
+# Rows of ``StepOutput.report``.
+REPORT_ROWS = ("ok", "num_new", "cache_hit", "sampled", "tokens")
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepOutput:
-    """Per entry of ``StepPlan.slots``: what happened (``[R]`` each; ``logits: f32[R, vocab]``)."""
+    """Per entry of ``StepPlan.slots``: ``report: i32[5, R]`` (rows ``REPORT_ROWS``: allocated, new
+    tokens computed, cache-hit tokens, whether a token was sampled, the token or -1) and ``logits:
+    f32[R, vocab]`` at each entry's last computed position (left on the device)."""
 
-    ok: jax.Array
-    num_new: jax.Array
-    cache_hit: jax.Array
-    sampled: jax.Array
-    tokens: jax.Array
+    report: jax.Array
     logits: jax.Array
+
+    def row(self, name: str) -> jax.Array:
+        """One row of ``report`` by name (``REPORT_ROWS``)."""
+        return self.report[REPORT_ROWS.index(name)]
 
 
 @dataclass(frozen=True)
 class StepStatic:
-    """The static part of a step (jit cache key): model graph, allocator layout, token budget, kernel."""
+    """The static part of a step (jit cache key): model graph, allocator layout, token budget, kernel,
+    and whether the allocator runs vectorised."""
 
     graphdef: nnx.GraphDef
     layout: Layout
     token_budget: int
     impl: str = "auto"
+    vectorised: bool = True
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Greedy when ``temperature == 0``, else temperature + nucleus (top-p) sampling; ``logits: [B, V]``."""
-    greedy = jnp.argmax(logits, axis=-1)
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    outside = jnp.cumsum(probs, axis=-1) - probs > top_p  # keep the smallest prefix reaching top_p
-    choice = jax.random.categorical(key, jnp.where(outside, -jnp.inf, sorted_logits), axis=-1)
-    drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+    """Greedy when ``temperature == 0`` (an argmax, no sort), else temperature + nucleus (top-p)
+    sampling; ``logits: [B, V]``."""
+    def draw():
+        scaled = logits / jnp.maximum(temperature, 1e-6)
+        order = jnp.argsort(-scaled, axis=-1)
+        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        outside = jnp.cumsum(probs, axis=-1) - probs > top_p  # keep the smallest prefix reaching top_p
+        choice = jax.random.categorical(key, jnp.where(outside, -jnp.inf, sorted_logits), axis=-1)
+        return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+    return jax.lax.cond(temperature > 0, draw, lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
-def _releases(layout: Layout, alloc: AllocatorState, plan: StepPlan) -> AllocatorState:
-    def body(al, x):
+# --- prepare: releases and admissions -------------------------------------------------------------
+
+
+def prepare(layout: Layout, alloc: AllocatorState, changes: Changes, vectorised: bool = True) -> AllocatorState:
+    """Free and preempt (slot order), then admit (in order): jit with ``layout``, ``vectorised`` static
+    and ``alloc`` donated."""
+    if vectorised:
+        alloc = ops.release_batch(layout, alloc, changes.free, changes.preempt)
+        return ops.admit_batch(layout, alloc, changes.slots, changes.prompts, changes.lens, changes.salts)
+
+    def release(al, x):
         slot, free, preempt = x
         al = jax.lax.cond(free, lambda a: ops.free(layout, a, slot), lambda a: a, al)
         return jax.lax.cond(preempt, lambda a: ops.preempt(layout, a, slot), lambda a: a, al), None
 
-    slots = jnp.arange(plan.free.shape[0], dtype=jnp.int32)
-    return jax.lax.scan(body, alloc, (slots, plan.free, plan.preempt))[0]
+    slots = jnp.arange(layout.max_requests, dtype=jnp.int32)
+    alloc = jax.lax.scan(release, alloc, (slots, changes.free, changes.preempt))[0]
+    starts = jnp.cumsum(changes.lens) - changes.lens
+    cols = jnp.arange(layout.max_model_len)
+
+    def admit(al, x):
+        slot, start, n, salt = x
+        row = changes.prompts[jnp.clip(start + cols, 0, changes.prompts.shape[0] - 1)]
+        return jax.lax.cond(slot >= 0, lambda a: ops.add_request(layout, a, slot, row, n, salt), lambda a: a, al), None
+
+    return jax.lax.scan(admit, alloc, (changes.slots, starts, changes.lens, changes.salts))[0]
 
 
-def _admit(layout: Layout, alloc: AllocatorState, plan: StepPlan) -> AllocatorState:
-    def body(al, x):
-        slot, toks, n, salt = x
-        return jax.lax.cond(slot >= 0, lambda a: ops.add_request(layout, a, slot, toks, n, salt),
-                            lambda a: a, al), None
-
-    return jax.lax.scan(body, alloc, (plan.new_slot, plan.new_tokens, plan.new_len, plan.new_salt))[0]
+# --- step ------------------------------------------------------------------------------------------
 
 
-def _schedule(layout: Layout, alloc: AllocatorState, plan: StepPlan):
-    """Allocate for every planned request in order: ``(alloc, ok, n, hit, start)`` per entry."""
-    def run(a, slot, want):
-        a, r = ops.schedule(layout, a, slot, want)
-        return a, (r.ok, jnp.where(r.ok, r.num_new_tokens, 0), jnp.where(r.ok, r.cache_hit_tokens, 0))
+def _schedule_sequential(layout: Layout, alloc: AllocatorState, slots, want):
+    """Every planned request in order, one ``schedule`` each: ``(alloc, ok, n, hit)``."""
+    return ops.schedule_batch(layout, alloc, slots, want, want > 0)
 
-    def skip(a, slot, want):
-        return a, (jnp.bool_(False), jnp.int32(0), jnp.int32(0))
 
-    def body(a, x):
-        slot, want = x
-        a, (ok, n, hit) = jax.lax.cond(want > 0, run, skip, a, jnp.maximum(slot, 0), want)
-        return a, (ok, n, hit, jnp.where(ok, a.num_computed[jnp.maximum(slot, 0)] - n, 0))
+def _schedule_vectorised(layout: Layout, alloc: AllocatorState, slots, want):
+    """The plan's three sections (decoding, running with a chunk, waiting), each batched; the same
+    results as ``_schedule_sequential``.
 
-    return jax.lax.scan(body, alloc, (plan.slots, plan.want))
+    ``decode_step`` runs the decoding lanes; then, in two phases over one ``schedule_batch`` (so the
+    program holds one copy of the sequential schedule), phase 0 runs the running lanes with a chunk
+    and any decoding lanes ``decode_step`` left (its vectorised conditions failed), phase 1 runs
+    ``prefill_batch`` on the waiting lanes and, where its conditions failed, ``schedule_batch`` on
+    them. A plan in another order runs every lane in phase 0, in order.
+    """
+    R = want.shape[0]
+    active = want > 0
+    waiting = active & (alloc.status[slots] == WAITING)
+    decoding = active & ~waiting & (want == 1)
+    section = jnp.where(decoding, 0, jnp.where(waiting, 2, 1))
+    in_order = jnp.all(~active | (jax.lax.cummax(jnp.where(active, section, 0)) == section))
+    decoding &= in_order
+    waiting &= in_order
+
+    def decode(a):
+        a, ok, path = ops.decode_step(layout, a, slots, fallback=False, mask=decoding)
+        return a, ok, path == 3
+
+    alloc, ok, redo = jax.lax.cond(jnp.any(decoding), decode, lambda a: (a, jnp.zeros(R, bool), jnp.bool_(False)),
+                                   alloc)
+    n, hit = ok.astype(jnp.int32), jnp.zeros(R, jnp.int32)
+    sequential = active & ~waiting & ~(decoding & ~redo)
+
+    def phase(i, carry):
+        alloc, ok, n, hit, lanes = carry
+
+        def prefill(c):
+            alloc, ok, n, hit, _ = c
+            alloc, ok_w, n_w, h_w, fast = ops.prefill_batch(layout, alloc, slots, want, fallback=False, mask=waiting)
+            return (alloc, jnp.where(waiting, ok_w, ok), jnp.where(waiting, n_w, n), jnp.where(waiting, h_w, hit),
+                    waiting & ~fast)
+
+        carry = jax.lax.cond((i == 1) & jnp.any(waiting), prefill, lambda c: c, (alloc, ok, n, hit, lanes))
+        alloc, ok, n, hit, lanes = carry
+
+        def run(a):
+            a, ok_s, n_s, h_s = ops.schedule_batch(layout, a, slots, want, lanes)
+            return a, jnp.where(lanes, ok_s, ok), jnp.where(lanes, n_s, n), jnp.where(lanes, h_s, hit)
+
+        alloc, ok, n, hit = jax.lax.cond(jnp.any(lanes), run, lambda a: (a, ok, n, hit), alloc)
+        return alloc, ok, n, hit, jnp.zeros(R, bool)
+
+    alloc, ok, n, hit, _ = jax.lax.fori_loop(0, 2, phase, (alloc, ok, n, hit, sequential))
+    return alloc, ok, n, hit
 
 
 def step(static: StepStatic, params: nnx.State, state: EngineState, plan: StepPlan):
     """One serving step (jit with ``static`` static and ``state`` donated): ``(state, StepOutput)``."""
     layout, budget = static.layout, static.token_budget
+    slot_of = jnp.maximum(plan.slots, 0)
     alloc = ops.new_step(layout, state.alloc)
-    alloc = _admit(layout, _releases(layout, alloc, plan), plan)
-    alloc, (ok, n, hit, start) = _schedule(layout, alloc, plan)
+    schedule = _schedule_vectorised if static.vectorised else _schedule_sequential
+    alloc, ok, n, hit = schedule(layout, alloc, slot_of, plan.want)
+    n = jnp.where(ok, n, 0)
+    start = jnp.where(ok, alloc.num_computed[slot_of] - n, 0)
 
     # The ragged batch: entry s computes positions [start_s, start_s + n_s).
     qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(n)]).astype(jnp.int32)
     seq_lens = start + n
     seq, pos, valid = query_positions(qsl, seq_lens, budget)
-    slot_of = jnp.maximum(plan.slots, 0)
     tokens = jnp.where(valid, alloc.tokens[slot_of[seq], jnp.minimum(pos, layout.max_model_len - 1)], 0)
     tables = alloc.tables[slot_of]                                          # [R, G, M]
-    metadata = make_metadata(state.cache, layout.config_tables(tables),
-                             qsl, seq_lens, budget)
+    metadata = make_metadata(state.cache, layout.config_tables(tables), qsl, seq_lens, budget)
     model = nnx.merge(static.graphdef, params)
-    logits, cache = model.paged(tokens, jnp.where(valid, pos, 0), state.cache, metadata, static.impl)
+    logits, cache = model.paged(tokens, jnp.where(valid, pos, 0), state.cache, metadata, static.impl,
+                                sample_at=jnp.maximum(qsl[1:] - 1, 0))       # [R, V]
 
-    last = logits[jnp.maximum(qsl[1:] - 1, 0)]                              # [R, V]
     do_sample = ok & (seq_lens == alloc.num_tokens[slot_of])
     key, sub = jax.random.split(state.key)
-    new_tokens = sample(last, sub, plan.temperature, plan.top_p)
+    new_tokens = sample(logits, sub, plan.sampling[0], plan.sampling[1])
+    if static.vectorised:
+        alloc = ops.append_batch(layout, alloc, slot_of, new_tokens, do_sample)
+    else:
+        def append(a, x):
+            slot, tok, go = x
+            return jax.lax.cond(go, lambda b: ops.append_token(layout, b, slot, tok), lambda b: b, a), None
 
-    def append(a, x):
-        slot, tok, go = x
-        return jax.lax.cond(go, lambda b: ops.append_token(layout, b, slot, tok), lambda b: b, a), None
+        alloc = jax.lax.scan(append, alloc, (slot_of, new_tokens, do_sample))[0]
+    report = jnp.stack([ok.astype(jnp.int32), n, jnp.where(ok, hit, 0), do_sample.astype(jnp.int32),
+                        jnp.where(do_sample, new_tokens, -1)])
+    return EngineState(alloc, cache, key), StepOutput(report=report, logits=logits)
 
-    alloc = jax.lax.scan(append, alloc, (slot_of, new_tokens, do_sample))[0]
-    out = StepOutput(ok=ok, num_new=n, cache_hit=hit, sampled=do_sample,
-                     tokens=jnp.where(do_sample, new_tokens, -1), logits=last)
-    return EngineState(alloc, cache, key), out

@@ -224,10 +224,16 @@ class TinyLM(nnx.Module):
             x = b.dense(x)
         return states
 
-    def paged(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
-              metadata: AttentionMetadata, impl: str = "auto") -> tuple[jax.Array, KVCache]:
-        """Logits ``f32[T, vocab]`` of a ragged batch of new tokens, reading and writing the paged cache."""
+    def paged(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, metadata: AttentionMetadata,
+              impl: str = "auto", sample_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """A ragged batch of new tokens (``i32[T]`` at ``positions``) through the paged cache: the logits
+        ``f32[S, vocab]`` at the ``S`` token indices ``sample_at`` (default: every token), and the cache.
+
+        This is the protocol ``hkv_jax.engine`` serves: any model with ``cfg.layers`` (its layer specs),
+        ``cfg.vocab_size`` and this method. Logits only where a token is sampled: the vocabulary
+        projection of every prefill token would cost ``T x vocab``.
+        """
         x = self._embed(tokens)
         for b in self.blocks:
             x, cache = b.paged(x, positions, cache, metadata, impl)
-        return self._logits(x), cache
+        return self._logits(x if sample_at is None else x[sample_at]), cache

@@ -1,0 +1,235 @@
+"""vLLM's KV cache coordinator in jnp: one request's prefix lookup and allocation across every group.
+
+``lookup`` intersects the groups' hits (the fixed point: iterate until every
+type agrees, which works for any number of attention types). ``schedule`` is
+vLLM's ``get_computed_blocks`` (for a waiting request) plus ``allocate_slots``
+and ``cache_blocks``: all or nothing across groups (a refused call changes
+nothing, except the out-of-window blocks a running request releases first, as
+``docs/SEMANTICS.md`` says). Groups are unrolled in Python (their rules are
+static, ``managers.py``); blocks and tables are arrays. ``schedule_batch`` runs
+it request after request: the exact path every batched step is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from hkv_jax.allocator import block_pool as BP
+from hkv_jax.allocator import prefix_cache as pc
+from hkv_jax.allocator.managers import allocation, hit_blocks, release_row, skipped_tokens
+from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout
+from hkv_jax.planner import cdiv
+from hkv_jax.spec import FullAttentionSpec
+
+
+def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: jax.Array | None = None):
+    """Longest prefix-cache hit of the waiting request in ``slot``; ``key_slots: i32[G, H]``, optional:
+    the cache entry ids of its keys (``prefix_cache.row_entries``), when the caller already looked them up.
+
+    Returns (hit blocks ``i32[G, H]`` (entries past the hit are 0), hit tokens,
+    shared-prefix boundary: a longer prefix some group alone could serve, or 0).
+    """
+    bs, G = layout.block_size, layout.num_groups
+    hashes = state.hashes[slot]  # u32[H, 4]
+    H = hashes.shape[0]
+    nh = state.num_tokens[slot] // bs
+    valid = jnp.arange(H) < nh
+    if key_slots is None:  # one probe per hash: its slot holds every group's entry
+        key_slots = pc.row_entries(state.bp.cache, pc.find_slots(state.bp.cache, hashes)).T
+    found = pc.block_at(state.bp.cache, key_slots)
+    found = jnp.where(valid[None, :], found, 0)
+    sgs = [(layout.groups[sg[0]].spec, list(sg)) for sg in layout.spec_groups]
+    all_found = [jnp.all(found[jnp.array(sg)] > 0, axis=0) for _, sg in sgs]
+
+    blocks = jnp.zeros((G, H), jnp.int32)
+    hit = state.num_tokens[slot] - 1
+    cur = hit
+    longest = jnp.int32(0)
+    full_len = {}
+    # First pass: every spec group computes its hit (full attention first).
+    for k, (spec, sg) in enumerate(sgs):
+        b, cur = hit_blocks(spec, bs, found[jnp.array(sg)], all_found[k], cur)
+        blocks = blocks.at[jnp.array(sg)].set(b)
+        longest = jnp.maximum(longest, cur)
+        if isinstance(spec, FullAttentionSpec):
+            full_len[k] = cur
+
+    def one_pass(carry):
+        hit, cur, longest, blocks = carry
+        hit = cur
+        for k, (spec, sg) in enumerate(sgs):
+            if k in full_len:
+                cur = jnp.minimum(cur, full_len[k])
+                continue
+            b, cur = hit_blocks(spec, bs, found[jnp.array(sg)], all_found[k], cur)
+            blocks = blocks.at[jnp.array(sg)].set(b)
+            longest = jnp.maximum(longest, cur)
+        return hit, cur, longest, blocks
+
+    if not layout.simple_hybrid:
+        # Repeat until no type shrinks the candidate (the fixed point); lengths only decrease.
+        hit, cur, longest, blocks = jax.lax.while_loop(
+            lambda c: c[1] < c[0], one_pass, (hit, cur, longest, blocks)
+        )
+    hit = cur
+    blocks = jnp.where(jnp.arange(H)[None, :] < hit // bs, blocks, 0)
+    boundary = jnp.where(longest > hit, longest, 0)
+    return blocks, hit, boundary
+
+
+def token_counts(layout: Layout, C, T, h, num_tokens):
+    """Token arithmetic of a schedule (scalars or per request): ``C`` computed, ``T`` known, ``h`` hit
+    tokens, ``num_tokens`` wanted (-1: all). Returns (new tokens ``n``, computed after the hit, tokens
+    after the call, tokens to hold, full blocks after the call)."""
+    remaining = T - C - h
+    n = jnp.where(num_tokens < 0, remaining, jnp.minimum(num_tokens, remaining))
+    computed = jnp.minimum(C + h, layout.max_model_len)
+    main = computed + n
+    bs = layout.block_size
+    nfull = jnp.minimum(jnp.minimum(main, T), (T // bs) * bs) // bs
+    return n, computed, main, jnp.minimum(main, layout.max_model_len), nfull
+
+
+def cached_this_step(layout: Layout, state: AllocatorState, blocks: jax.Array) -> jax.Array:
+    """Whether each of ``blocks`` is cached under an entry a Mamba group cached in this step (such a
+    state cannot serve a hit before the next step)."""
+    if not layout.mamba_groups:
+        return jnp.zeros(blocks.shape, bool)
+    at = layout.step_cached_index(state.bp.cache, blocks)
+    return state.step_cached.at[at].get(mode="fill", fill_value=False)
+
+
+def _set_row(state: AllocatorState, slot, g: int, row, length=None, **counters) -> AllocatorState:
+    """Replace request ``slot``'s table of group ``g`` (and its group ``counters``)."""
+    if length is not None:
+        counters["table_len"] = length
+    state = replace(state, tables=state.tables.at[slot, g].set(row))
+    return state.with_counters(slot, g, **counters) if counters else state
+
+
+def _remove_skipped(layout: Layout, state: AllocatorState, slot, g: int, computed) -> AllocatorState:
+    """Release the blocks group ``g`` no longer needs after ``computed`` tokens (replaced by the null block)."""
+    row, retired, released = release_row(layout, g, state.tables[slot, g], state.table_len[slot, g],
+                                         state.retired[slot, g], state.last_state[slot, g], computed)
+    bp = BP.free_blocks(BP.free_blocks(state.bp, released[0], front=layout.evicts_early(g)), released[1])
+    return _set_row(replace(state, bp=bp), slot, g, row, retired=retired)
+
+
+def _pop(bp: BP.BlockPoolState, count, max_count: int):
+    """``get_new_blocks``, skipped when nothing is wanted."""
+    return jax.lax.cond(count > 0, lambda: BP.get_new_blocks(bp, count, max_count),
+                        lambda: (bp, jnp.zeros(max_count, jnp.int32)))
+
+
+class ScheduleResult(NamedTuple):
+    """What ``schedule`` reports (all arrays)."""
+
+    ok: jax.Array  # bool[]
+    num_new_tokens: jax.Array  # i32[]
+    cache_hit_tokens: jax.Array  # i32[] (0 for a running request)
+    shared_prefix_boundary: jax.Array  # i32[]
+    hit_blocks: jax.Array  # i32[G, H]
+    first_new: jax.Array  # i32[G]: table index of the first entry this call appended
+
+
+def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[AllocatorState, ScheduleResult]:
+    """Allocate slots for up to ``num_tokens`` (-1: all) more tokens of the request in ``slot``."""
+    bs, G, M = layout.block_size, layout.num_groups, layout.max_blocks
+    waiting = state.status[slot] == WAITING
+    H = state.hashes.shape[1]
+    no_hit = (jnp.zeros((G, H), jnp.int32), jnp.int32(0), jnp.int32(0))
+    hits, h, boundary = jax.lax.cond(waiting, lambda: lookup(layout, state, slot), lambda: no_hit)
+    hits_m = jnp.pad(hits, ((0, 0), (0, M - H)))  # i32[G, M]
+    C, T = state.num_computed[slot], state.num_tokens[slot]
+    n, computed, main, need, nfull = token_counts(layout, C, T, h, num_tokens)
+    nhit = h // bs
+    idx = jnp.arange(M)
+
+    st = state
+    for g in range(G):
+        st = _remove_skipped(layout, st, slot, g, computed)
+
+    # Blocks the call takes from the free queue: new ones, and hit blocks that sit in the queue.
+    ref = st.bp.pool.ref_count
+    total = jnp.int32(0)
+    impossible = jnp.bool_(False)
+    for g in range(G):
+        L = st.table_len[slot, g]
+        hg = hits_m[g]
+        free_hit = (hg > 0) & (ref[hg] == 0) & (idx < nhit)
+        if layout.is_mamba(g):
+            last = hg[jnp.maximum(nhit - 1, 0)]
+            impossible |= waiting & (nhit > 0) & cached_this_step(layout, st, last)
+            total += allocation(layout, g, nhit + L, main, need, -1)[0] + jnp.sum(free_hit, dtype=jnp.int32)
+        else:
+            required = cdiv(need, bs)
+            skipped = skipped_tokens(layout.groups[g].spec, computed) // bs
+            wait_cnt = jnp.maximum(required - jnp.maximum(skipped, nhit + L), 0) + jnp.sum(
+                free_hit & (idx >= jnp.maximum(0, skipped - L)), dtype=jnp.int32)
+            total += jnp.where(waiting, wait_cnt, jnp.maximum(required - L, 0))
+    ok = ~impossible & (total <= st.bp.pool.num_free) & (n > 0)
+
+    def commit(st: AllocatorState) -> tuple[AllocatorState, jax.Array]:
+        for g in range(G):
+            skipped = skipped_tokens(layout.groups[g].spec, computed) // bs
+            row = jnp.where((idx >= skipped) & (idx < nhit), hits_m[g], 0)
+            st = replace(st, bp=BP.touch(st.bp, jnp.where(waiting, row, 0)))
+            st = _set_row(st, slot, g, jnp.where(waiting, row, st.tables[slot, g]),
+                          jnp.where(waiting, nhit, st.table_len[slot, g]),
+                          num_cached=jnp.where(waiting, nhit, st.num_cached[slot, g]))
+        first_new = st.table_len[slot]
+        for g in range(G):
+            row = st.tables[slot, g]
+            cnt, first, length, last = allocation(layout, g, st.table_len[slot, g], main, need,
+                                                  st.last_state[slot, g])
+            bp, ids = _pop(st.bp, cnt, 1 if layout.is_mamba(g) else M)
+            row = row.at[jnp.where(idx < cnt, first + idx, M)].set(ids[jnp.minimum(idx, ids.shape[0] - 1)],
+                                                                   mode="drop")
+            st = _set_row(replace(st, bp=bp), slot, g, row, length, last_state=last)
+        # Enter every newly filled block in the prefix cache (dense retention).
+        hashes = jnp.pad(st.hashes[slot], ((0, M - H), (0, 0)))
+        for g in range(G):
+            row, before = st.tables[slot, g], st.num_cached[slot, g]
+            new = jnp.where((idx >= before) & (idx < nfull), row, 0)
+            bp = BP.cache_blocks(st.bp, row, hashes, jnp.int32(g), before, jnp.maximum(before, nfull))
+            step_cached = st.step_cached
+            if layout.is_mamba(g):
+                step_cached = step_cached.at[layout.step_cached_index(bp.cache, new)].set(True, mode="drop")
+            st = replace(st, bp=bp, step_cached=step_cached).with_counters(
+                slot, g, num_cached=jnp.maximum(before, nfull))
+        st = st.with_counters(slot, status=RUNNING, num_computed=C + h + n)
+        return st, first_new
+
+    st, first_new = jax.lax.cond(ok, commit, lambda s: (s, s.table_len[slot]), st)
+    return st, ScheduleResult(ok, n, h, boundary, hits, first_new)
+
+
+def schedule_batch(layout: Layout, state: AllocatorState, slots, num_tokens, mask=None):
+    """``schedule`` for each request in order (one XLA program, same results as one call each).
+
+    ``mask: bool[B]``, optional: only these lanes run (the others report nothing); the loop visits
+    the active lanes only, so a mostly idle batch costs what its active lanes cost.
+    Returns (state, ok ``bool[B]``, new tokens ``i32[B]``, cache-hit tokens ``i32[B]``).
+    """
+    B = slots.shape[0]
+    if mask is None:
+        def body(st, x):
+            st, r = schedule(layout, st, x[0], x[1])
+            return st, (r.ok, r.num_new_tokens, r.cache_hit_tokens)
+
+        state, (ok, n, h) = jax.lax.scan(body, state, (slots, num_tokens))
+        return state, ok, n, h
+    lanes = jnp.nonzero(mask, size=B, fill_value=0)[0]
+
+    def one(i, c):
+        st, ok, n, h = c
+        lane = lanes[i]
+        st, r = schedule(layout, st, slots[lane], num_tokens[lane])
+        return st, ok.at[lane].set(r.ok), n.at[lane].set(r.num_new_tokens), h.at[lane].set(r.cache_hit_tokens)
+
+    zeros = jnp.zeros(B, jnp.int32)
+    return jax.lax.fori_loop(0, jnp.sum(mask, dtype=jnp.int32), one, (state, jnp.zeros(B, bool), zeros, zeros))

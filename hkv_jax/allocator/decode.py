@@ -1,0 +1,268 @@
+"""Batched decode: every running request of a batch allocates slots for one more token, in one program."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from hkv_jax.allocator import block_pool as BP
+from hkv_jax.allocator import pool as P
+from hkv_jax.allocator.coordinator import schedule_batch
+from hkv_jax.allocator.managers import allocation, release_row, skipped_tokens
+from hkv_jax.allocator.state import RUNNING, AllocatorState, Layout, counter, set_counters, switch_mutable
+from hkv_jax.spec import FullAttentionSpec
+
+
+class _DecodePlan(NamedTuple):
+    """What a busy decode step does (``decode_step``), planned read-only."""
+
+    branch: jax.Array     # i32[]: 1 vectorised, 2 vectorised with many releases, 3 sequential
+    releases: P.Release   # the free calls of the vectorised branch (one block each)
+    pop: P.PopPlan        # the new blocks
+    new_block: jax.Array  # i32[B, G]: the new block of each (request, group), 0 = none
+    blk: jax.Array        # i32[B, G]: the block this token filled
+    todo: jax.Array       # bool[B, G]: ... and it enters the prefix cache
+    keys: jax.Array       # u32[B, 4]: its block hash (the same block index in every group)
+
+
+class _DecodeInputs(NamedTuple):
+    """What ``_decode`` reads before it knows whether the step is idle (shapes: ``AllocatorState``)."""
+
+    counts: jax.Array
+    tables: jax.Array | None  # None where no group releases blocks as tokens come (nothing to read)
+
+
+def decode_step(layout: Layout, state: AllocatorState, slots, fallback: bool = True, mask=None):
+    """Every request in ``slots`` (distinct, running) allocates slots for one more token: one vectorised program.
+
+    ``mask: bool[B]`` (optional): the lanes that take part; the others change nothing and report
+    ``ok`` False. Same state and results as ``schedule_batch(slots, 1)``, computed for all requests
+    at once with updates proportional to the blocks that move, not to the pool or the tables. A step
+    where no block moves (no request needs a block, fills one or releases one: most steps) only
+    counts the token. Otherwise: the out-of-window releases of every (request, group) in call order,
+    one pop from the queue head for all new blocks, then the cache inserts. That order equals vLLM's
+    request-by-request order when the new blocks come from blocks already free before the step and
+    no released block goes to the queue front (the steady state). Otherwise (a nearly full pool,
+    releases to the front while blocks are taken, a queue to compact, an evicted key with
+    duplicates) it falls back to ``schedule_batch``. A busy step plans everything read-only first,
+    so its branch updates the state in place.
+    Returns (state, ok ``bool[B]``, the path taken ``i32[]``: 0 = only counted the token, 1 = vectorised,
+    2 = vectorised with free calls releasing several blocks, 3 = sequential fallback).
+
+    ``fallback`` (static) False leaves the fallback out of the program: path 3 then applies nothing
+    (the state comes back unchanged, ``ok`` all False) and the caller runs ``schedule_batch(layout,
+    state, slots, 1)`` itself. The program is much smaller, and on CPU a call's fixed cost grows with
+    the program even where a branch never runs. A host loop on CPU does better still with
+    ``idle_decode`` first (see there).
+    """
+    if mask is None:
+        mask = jnp.ones(slots.shape, bool)
+    return _decode(layout, state, slots, mask, fallback, count_only=False)
+
+
+def idle_decode(layout: Layout, state: AllocatorState, slots) -> tuple[AllocatorState, jax.Array]:
+    """Whether ``decode_step(layout, state, slots)`` would only count the token (path 0, the usual
+    step), and the state it would leave then (else ``state`` itself).
+
+    A host loop calls this first and, when the step is idle, takes the returned state; otherwise it
+    calls ``decode_step``. It is jitted already (call it as it is: wrapping it in ``jax.jit`` again
+    would pass the whole state in). Its program takes only the counters (and the block tables where a
+    window group may release a block), returns the new counters and donates nothing: on CPU a call's
+    fixed cost grows with every array passed in and out (figures: ``benchmarks/README.md``).
+    Returns ``(state, idle bool[])``. Inside one jitted serving step use ``decode_step``.
+    """
+    tables = state.tables if _release_groups(layout) else None
+    counts, idle = _idle_decode(layout, _DecodeInputs(state.counts, tables), slots)
+    return replace(state, counts=counts), idle
+
+
+def _release_groups(layout: Layout) -> list[int]:
+    """The groups that may release blocks in a decode step (out of the window or chunk; Mamba states)."""
+    return [g for g in range(layout.num_groups) if not isinstance(layout.groups[g].spec, FullAttentionSpec)]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _idle_decode(layout: Layout, inputs: _DecodeInputs, slots):
+    return _decode(layout, inputs, slots, jnp.ones(slots.shape, bool), False, count_only=True)
+
+
+def _plan_releases(cache, pool: P.BlockPool, calls: jax.Array, early: jax.Array) -> P.Release:
+    """The free calls ``calls: i32[K, W]`` of a step (request, group, call order), ``early: bool[K, W]``
+    those released as they leave a window (window-aware eviction)."""
+    return P.plan_free(pool, calls, BP.to_back(cache, calls, early))
+
+
+def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, fallback: bool, count_only: bool):
+    """``decode_step``'s body; ``count_only``: ``idle_decode``'s answer (the new counts, idle), computed
+    before anything busy (from the ``_DecodeInputs`` only)."""
+    bs, G, M, R = layout.block_size, layout.num_groups, layout.max_blocks, layout.max_requests
+    B = slots.shape[0]
+    at = jnp.where(mask, slots, R)                                           # masked lanes write nothing
+    rows = state.counts[slots]                                               # [B, 3 + 4G]: one gather
+    C, T = counter(rows, "num_computed"), counter(rows, "num_tokens")
+    computed = jnp.minimum(C, layout.max_model_len)
+    main = computed + 1
+    need = jnp.minimum(main, layout.max_model_len)
+    lens = counter(rows, "table_len")                                        # [B, G]
+    retired, last_state = counter(rows, "retired"), counter(rows, "last_state")
+    bidx = jnp.arange(B)
+    idx_m = jnp.arange(M)
+
+    # Out-of-window releases (full attention releases nothing): the zeroed entries and the free calls.
+    # A window group's null entries form a prefix of its row, so after the step every entry below its
+    # first needed block ``sb`` is null: one release per call iff entry ``sb - 2`` is already null.
+    # That is O(B) per group; the wide form (several blocks per call) is only built when needed.
+    zeroed, calls, after, cleared, retired_new, single = [], [], {}, {}, [], jnp.bool_(True)
+    release_groups = _release_groups(layout)
+
+    def wide_releases(tables, g):
+        """Group ``g``'s rows after the step, retired indices and free calls ``i32[B, 2, M]`` (in order)."""
+        r, rt, rel = jax.vmap(lambda *a: release_row(layout, g, *a))(
+            tables[slots, g], lens[:, g], retired[:, g], last_state[:, g], computed)
+        return r, rt, jnp.where(mask[:, None, None], rel, 0)
+
+    for g in range(G):
+        if g not in release_groups:
+            retired_new.append(retired[:, g])
+        elif layout.is_mamba(g):
+            r, rt, rel = wide_releases(state.tables, g)
+            retired_new.append(rt)
+            after[g] = r
+            single &= jnp.all(jnp.sum(rel > 0, axis=-1) <= 1)
+            calls.append(jnp.max(rel, axis=-1))                              # [B, 2]: one id per free call
+            changed = (r != state.tables[slots, g]) & mask[:, None]          # at most 2 entries per row if single
+            for j in (jnp.argmax(changed, axis=-1), M - 1 - jnp.argmax(changed[:, ::-1], axis=-1)):
+                zeroed.append((g, j, jnp.any(changed, axis=-1)))
+        else:
+            skip = skipped_tokens(layout.groups[g].spec, computed)
+            sb = jnp.where(skip > 0, jnp.minimum(skip // bs, lens[:, g]), 0)
+            last, below = (state.tables[slots, g, jnp.maximum(sb - k, 0)] for k in (1, 2))
+            freed = mask & (sb > 0) & (last != 0)
+            single &= jnp.all(~freed | (sb < 2) | (below == 0))
+            retired_new.append(retired[:, g])
+            cleared[g] = sb
+            calls.append(jnp.stack([jnp.where(freed, last, 0), jnp.zeros_like(last)], 1))
+            zeroed.append((g, sb - 1, freed))
+    flat = jnp.stack(calls, 1).reshape(-1) if calls else jnp.zeros(0, jnp.int32)  # request, group, call order
+    early_g = jnp.array([layout.evicts_early(g) for g in release_groups], bool)
+    early = jnp.broadcast_to(early_g[None, :, None], (B, len(release_groups), 2)).reshape(-1)
+    retired_new = jnp.stack(retired_new, 1)
+
+    cnt, new_idx, lens_new, last_new = (jnp.stack(x, 1) for x in zip(*(
+        allocation(layout, g, lens[:, g], main, need, last_state[:, g]) for g in range(G))))
+    cnt = jnp.where(mask[:, None], cnt, 0)                                   # [B, G], each count 0 or 1
+    total = jnp.sum(cnt)
+    before = counter(rows, "num_cached")                                     # [B, G]
+    nfull = jnp.minimum(jnp.minimum(C + 1, T), (T // bs) * bs) // bs
+    nfull = jnp.where(mask[:, None], nfull[:, None], before)                 # masked lanes cache nothing
+    num_cached = jnp.maximum(before, nfull)
+    running = jnp.all((counter(rows, "status") == RUNNING) | ~mask) & jnp.all((T - C >= 1) | ~mask)
+    idle = (running & (total == 0) & jnp.all(num_cached == before) & jnp.all(flat == 0)
+            & jnp.all((retired_new == retired) | ~mask[:, None]))
+    if count_only:
+        return set_counters(state.counts, at, num_computed=jnp.where(idle, C + 1, C)), idle
+
+    def entry(tables, g, j):
+        """Entry ``j`` of group ``g``'s row after the releases."""
+        j = jnp.clip(j, 0, M - 1)
+        if g in cleared:
+            return jnp.where(j < cleared[g], 0, tables[slots, g, j])
+        return after[g][bidx, j] if g in after else tables[slots, g, j]
+
+    def wide_calls(tables):
+        """Every release group's rows after the step, and all free calls ``[B * groups * 2, M]`` (request,
+        group, call order) with which go to the front early (built only in a busy step)."""
+        out = {g: wide_releases(tables, g) for g in release_groups}
+        wide = jnp.stack([o[2] for o in out.values()], 1).reshape(-1, M)
+        return {g: o[0] for g, o in out.items()}, wide, jnp.broadcast_to(early[:, None], wide.shape)
+
+    def make_plan(state: AllocatorState) -> _DecodePlan:
+        pool, cache = state.bp.pool, state.bp.cache
+        releases = _plan_releases(cache, pool, flat[:, None], early[:, None])
+        # New blocks come from blocks free before the step (none released to the front when any is taken).
+        pop = P.pop_plan(pool, total, B * G)
+        vectorisable = (
+            running & (total <= pool.num_free) & pop.enough
+            & ~jnp.any(BP.pc.needs_promotion(cache, pop.ids)) & jnp.all(nfull - before <= 1)
+        )
+        fast = vectorisable & single & releases.fits & ((total == 0) | ~jnp.any(releases.to_front))
+        offset = (jnp.cumsum(cnt.reshape(-1)) - cnt.reshape(-1)).reshape(B, G)
+        new_block = jnp.where(cnt > 0, pop.ids[jnp.minimum(offset, B * G - 1)], 0)
+        # The blocks this token filled: at most one per (request, group), cached in request then group order.
+        blk = jnp.stack([jnp.where((cnt[:, g] > 0) & (new_idx[:, g] == before[:, g]), new_block[:, g],
+                                   entry(state.tables, g, before[:, g])) for g in range(G)], 1)
+        todo = (nfull > before) & (blk > 0)
+        # Vectorised, a block is cached only where before == nfull - 1: one hash per request.
+        keys = state.hashes[slots, jnp.clip(nfull[:, 0] - 1, 0, state.hashes.shape[1] - 1)]  # [B, 4]
+        many = jnp.bool_(False)
+        if release_groups:
+            # Free calls releasing several blocks (the first step after a long prefill): vectorised too.
+            def many_ok():
+                wide = _plan_releases(cache, pool, *wide_calls(state.tables)[1:])
+                return wide.fits & ((total == 0) | ~jnp.any(wide.to_front))
+
+            many = jax.lax.cond(vectorisable & ~single, many_ok, lambda: jnp.bool_(False))
+        branch = jnp.where(fast, 1, jnp.where(many, 2, 3)).astype(jnp.int32)
+        return _DecodePlan(branch, releases, pop, new_block, blk, todo, keys)
+
+    mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
+
+    def count_token(state: AllocatorState):
+        return state.with_counters(at, num_computed=C + 1), (mask, jnp.int32(0))
+
+    def vectorised(state: AllocatorState, plan: _DecodePlan, releases: P.Release, rows_after: dict | None):
+        p = P.pop_apply(P.apply_free(state.bp.pool, releases), plan.pop)
+        c = BP.pc.evict_alone(state.bp.cache, plan.pop.ids)
+        todo, blk = plan.todo, plan.blk
+        c = BP.pc.insert_rows(c, jnp.where(todo, blk, 0), plan.keys)
+        marked = jnp.where(todo & mamba_g[None, :], blk, 0)
+        step_cached = state.step_cached.at[layout.step_cached_index(c, marked)].set(True, mode="drop")
+        # Table entries: the released ones become null, the new block goes in.
+        tables = state.tables.at[at[:, None], jnp.arange(G)[None, :],
+                                 jnp.where(cnt > 0, new_idx, M)].set(plan.new_block, mode="drop")
+        if rows_after:  # released entries anywhere in the rows: write the release groups' rows whole
+            for g, r in rows_after.items():
+                keep = (idx_m[None, :] == jnp.where(cnt[:, g] > 0, new_idx[:, g], M)[:, None])
+                tables = tables.at[at, g].set(jnp.where(keep, tables[slots, g], r), mode="drop")
+        else:
+            for g, j, ok in zeroed:
+                tables = tables.at[at, g, jnp.where(ok, j, M)].set(0, mode="drop")
+        st = replace(
+            state,
+            bp=BP.BlockPoolState(pool=p, cache=c),
+            step_cached=step_cached,
+            tables=tables,
+        ).with_counters(at, table_len=lens_new, retired=retired_new, last_state=last_new, num_cached=num_cached,
+                        num_computed=C + 1)
+        return st, mask
+
+    def many_releases(state: AllocatorState, plan: _DecodePlan):
+        rows_after, wide, wide_early = wide_calls(state.tables)
+        rel = _plan_releases(state.bp.cache, state.bp.pool, wide, wide_early)
+        rel, state = jax.lax.optimization_barrier((rel, state))  # reads before writes, as in ``busy``
+        return vectorised(state, plan, rel, rows_after)
+
+    def sequential(state: AllocatorState):
+        if not fallback:
+            return state, jnp.zeros(B, bool)
+        st, ok, _, _ = schedule_batch(layout, state, slots, jnp.ones(B, jnp.int32), mask)
+        return st, ok
+
+    def busy(state: AllocatorState):
+        """Plan (reads), then update in place: the barrier orders the reads before the writes,
+        else XLA copies the pool and the cache in every branch."""
+        plan = make_plan(state)
+        plan, state = jax.lax.optimization_barrier((plan, state))
+        fns = [lambda s: vectorised(s, plan, plan.releases, None), lambda s: many_releases(s, plan), sequential]
+        index = plan.branch - 1
+        if not release_groups:  # the branch is never 2: no many-release branch to compile
+            fns, index = [fns[0], fns[2]], jnp.minimum(index, 1)
+        st, ok = switch_mutable(index, fns, state)
+        return st, (ok, plan.branch)
+
+    state, (ok, path) = switch_mutable(jnp.where(idle, 0, 1), [count_token, busy], state)
+    return state, ok, path
