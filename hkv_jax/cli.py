@@ -19,15 +19,29 @@ class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """``argparse`` with its errors (unknown option, bad number, missing argument) as one line, exit code 2."""
+
+    def error(self, message: str):
+        raise CliError(f"{self.prog}: {message}")
+
+
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    """Refuse a given size that is not positive (checked before any work starts)."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise CliError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     if args.memory is not None and args.num_blocks is not None:
         raise CliError("give --memory or --num-blocks, not both")
+    _positive(args, "num_blocks", "block_size", "max_model_len")
     name, config = resolve_model(args.model)
     layers = layers_from_hf_config(config, dtype=args.dtype)
     memory = None if args.num_blocks is not None else parse_bytes(args.memory or DEFAULT_MEMORY)
     max_len = args.max_model_len or text_config(config).get("max_position_embeddings") or 8192
-    if max_len <= 0:
-        raise CliError("--max-model-len must be positive")
     others = compare_policies(layers, block_size=args.block_size, memory_bytes=memory, num_blocks=args.num_blocks)
     chosen = others[args.policy]
     if args.json:
@@ -60,18 +74,19 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hkv_jax.demo import DemoConfig, main_demo
 
-    if args.requests < 1:
-        raise CliError("--requests must be positive")
-    cfg = DemoConfig(model=args.model, requests=args.requests, seed=args.seed,
-                     window_aware_eviction=args.window_aware_eviction)
-    if args.num_blocks is not None:
-        cfg = replace(cfg, num_blocks=args.num_blocks)
+    _positive(args, "requests", "num_blocks", "max_model_len", "max_requests", "token_budget")
+    if args.seed < 0:
+        raise CliError(f"--seed must be >= 0, got {args.seed}")
+    sizes = {k: getattr(args, k) for k in ("num_blocks", "max_model_len", "max_requests", "token_budget")
+             if getattr(args, k) is not None}
+    cfg = replace(DemoConfig(model=args.model, requests=args.requests, seed=args.seed,
+                             window_aware_eviction=args.window_aware_eviction), **sizes)
     return main_demo(cfg, as_json=args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hkv``."""
-    parser = argparse.ArgumentParser(prog="hkv", description="Hybrid KV cache manager for JAX.")
+    parser = _Parser(prog="hkv", description="Hybrid KV cache manager for JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="plan the KV cache of a model: groups, page size, capacity")
     p.add_argument("model", help="preset name (e.g. gemma-3-27b) or path to a Hugging Face config.json")
@@ -98,7 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--requests", type=int, default=24, help="requests in all (3 turns per conversation)")
     d.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
-    d.add_argument("--num-blocks", type=int, help="KV pool size in blocks (default 160)")
+    d.add_argument("--num-blocks", type=int, help="KV pool size in blocks, null block included (default 160)")
+    d.add_argument("--max-model-len", type=int, help="longest request in tokens (default 256)")
+    d.add_argument("--max-requests", type=int, help="requests served at once (default 8)")
+    d.add_argument("--token-budget", type=int, help="tokens computed per step (default 64)")
     d.add_argument("--window-aware-eviction", action="store_true",
                    help="blocks leaving a sliding window go to the front of the free queue (our policy)")
     d.set_defaults(func=_cmd_demo)
@@ -107,13 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hkv`` console script."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0
-    except (CliError, ValueError, OSError) as e:
+    except (CliError, ValueError, OSError, RuntimeError) as e:
         print(f"hkv {args.command}: error: {e}", file=sys.stderr)
         return 2
 

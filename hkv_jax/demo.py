@@ -54,6 +54,9 @@ def build_engine(cfg: DemoConfig) -> Engine:
     model = TinyLM(TinyConfig.from_hf(config), nnx.Rngs(cfg.seed))
     return Engine(model, num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_requests=cfg.max_requests,
                   max_model_len=cfg.max_model_len, token_budget=cfg.token_budget, seed=cfg.seed,
+                  # One step program: a tiny model's decode steps gain little from their own, and each
+                  # program costs tens of seconds to compile on a CPU.
+                  token_buckets=(cfg.token_budget,),
                   window_aware_eviction=cfg.window_aware_eviction)
 
 

@@ -38,14 +38,31 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
         (["plan", "gemma-3-1b", "--memory", "lots"], "memory size"),
         (["plan", "/nonexistent/config.json"], "no such config"),
         (["plan", "gemma-3-1b", "--dtype", "float3"], "unknown dtype"),
+        (["plan", "gemma-3-1b", "--memory=-5GiB"], "memory must be positive"),
+        (["plan", "gemma-3-1b", "--max-model-len", "0"], "--max-model-len must be positive"),
+        (["plan", "gemma-3-1b", "--block-size", "0"], "--block-size must be positive"),
+        (["plan", "gemma-3-1b", "--num-blocks", "-3"], "--num-blocks must be positive"),
+        (["plan", "gemma-3-1b", "--num-blocks", "lots"], "invalid int value"),
+        (["plan"], "the following arguments are required: model"),
+        (["plan", "gemma-3-1b", "--polcy", "vllm"], "unrecognized arguments"),
         (["demo", "--requests", "0"], "--requests"),
         (["demo", "--model", "gemma-3-27b"], "unknown demo model"),
+        (["demo", "--num-blocks", "3"], "cannot hold one request of max_model_len 256 tokens"),
+        (["demo", "--num-blocks", "20"], "cannot hold one request"),
+        (["demo", "--max-model-len", "0"], "--max-model-len must be positive"),
+        (["demo", "--max-model-len", "64"], "exceeds max_model_len 64"),
+        (["demo", "--token-budget", "-1"], "--token-budget must be positive"),
+        (["demo", "--seed", "-1"], "--seed must be >= 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    from hkv_jax.engine import Engine
+
+    compiled = Engine.compilations()
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert Engine.compilations() == compiled  # refused before any step program was compiled
 
 
 def test_malformed_json_file(tmp_path, capsys):

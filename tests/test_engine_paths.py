@@ -11,11 +11,12 @@ from hkv_jax.engine import Engine
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 
-# (model, policy, pool, window-aware eviction): small pools, so runs preempt and evict.
+# (model, policy, pool, window-aware eviction): small pools, so runs preempt and evict. Chunked local
+# attention: the allocator's batched steps are checked on it (test_decode_step, test_prefill_batch) and
+# the engine against the dense model (test_engine); two engine compilations per model here.
 RUNS = {
-    "tiny-gemma3": ("vllm", 44, True),
-    "tiny-jamba": ("min-waste", 30, False),   # Mamba states spanning 2 pages
-    "tiny-llama4": ("vllm", 34, False),       # chunked local + full attention
+    "tiny-gemma3": ("vllm", 44, True),          # sliding window + full, our eviction order
+    "tiny-jamba": ("min-waste", 30, False),     # Mamba states spanning 2 pages
 }
 
 
@@ -23,7 +24,8 @@ def _engines(name: str, seed: int):
     policy, blocks, early = RUNS[name]
     model = TinyLM(TinyConfig.from_hf(resolve_model(name)[1]), nnx.Rngs(seed))
     return [Engine(model, num_blocks=blocks, block_size=8, max_requests=4, max_model_len=128, token_budget=24,
-                   impl="reference", policy=policy, seed=seed, window_aware_eviction=early, vectorised=v)
+                   impl="reference", policy=policy, seed=seed, window_aware_eviction=early, vectorised=v,
+                   token_buckets=(24,))
             for v in (True, False)]
 
 

@@ -1,5 +1,6 @@
 """The jitted block pool against the plain-Python model's pool, and block hashing against its host twin."""
 
+import dataclasses
 import functools
 
 import jax
@@ -101,3 +102,59 @@ def test_hashes_match_the_host_twin_and_chain():
     # 128 bits spread: no two blocks of random data share any lane value.
     lanes = got.reshape(-1, 4)
     assert all(len(set(lanes[:, j])) == len(lanes) for j in range(4))
+
+
+def test_queue_positions_stay_bounded_from_the_far_end_of_int32():
+    """A pool whose queue ends sit just below 2^31 (as ever-growing positions would after days of
+    serving) keeps vLLM's order through thousands of pops, hits and (batched) frees, and its positions
+    come back into [0, N) at once and stay there."""
+    n = 40
+    lap = (2**31 - 1 - 2 * n) // n * n  # the same queue, read from an offset near int32's end
+    pool = P.init_pool(n)
+    pool = dataclasses.replace(pool, head=pool.head + lap, tail=pool.tail + lap)
+    model = model_pool(n)
+    assert_same(pool, model)
+    pop8 = jax.jit(P.pop_free, static_argnums=2)
+    calls = jax.jit(P.free_calls)
+    rng = np.random.default_rng(0)
+    kinds = {"pop": 0, "touch": 0, "free": 0, "calls": 0}
+    moved = False  # whether an operation moved the queue ends yet (a hit only punches a hole)
+    for _ in range(3000):
+        held = [b for b in range(1, n) if model.ref[b] > 0]
+        kind = rng.choice(["pop", "pop", "touch", "free", "calls"])
+        if kind == "pop":
+            count = int(rng.integers(0, min(8, model.num_free_blocks) + 1))
+            pool, ids = pop8(pool, jnp.int32(count), 8)
+            assert list(np.asarray(ids[:count])) == model._pop_free(count)
+        elif kind == "touch":  # hits: on free blocks (they leave the queue) or held ones (shared)
+            blocks = [int(b) for b in rng.choice(np.arange(1, n), size=3, replace=False)]
+            pool = touch(pool, jnp.array(blocks + [0], jnp.int32))
+            model._touch(blocks)
+        elif not held:
+            continue
+        else:
+            # Several free calls, in order; a block shared by requests may be in more than one.
+            rows = 1 if kind == "free" else 3
+            ids = np.zeros((rows, 6), np.int32)
+            cached = rng.random((rows, 6)) < 0.5
+            for r in range(rows):
+                picked = rng.choice(held, size=min(len(held), int(rng.integers(1, 7))), replace=False)
+                picked = [b for b in picked if model.ref[b] > sum(b in ids[k] for k in range(r))]
+                ids[r, :len(picked)] = picked
+            for (r, i), b in np.ndenumerate(ids):
+                if b and cached[r, i] and model.hash[b] is None:  # cache it: the model's side agrees
+                    model.hash[b] = ("h", int(b))
+                    model.cache[("h", int(b))] = [int(b)]
+                cached[r, i] = bool(b) and model.hash[b] is not None
+            pool = calls(pool, jnp.asarray(ids), jnp.asarray(cached))
+            for r in range(rows):
+                model._free_blocks([int(b) for b in ids[r] if b])
+        kinds[str(kind)] += 1
+        moved |= kind != "touch"
+        assert_same(pool, model)
+        head, tail = int(pool.head), int(pool.tail)
+        assert head <= tail <= head + n and (0 <= head < n or not moved)
+        free = np.asarray(pool.ref_count) == 0
+        free[0] = False
+        assert ((np.asarray(pool.pos)[free] >= 0) & (np.asarray(pool.pos)[free] < n)).all()
+    assert min(kinds.values()) > 300

@@ -194,3 +194,37 @@ def test_inserting_rows_equals_one_by_one_inserts_in_row_order(claims):
     gone = jnp.asarray(rng.permutation(np.flatnonzero(np.asarray(pc.is_cached(a))))[:800], jnp.int32)
     a, b = evict_many(a, gone), evict_many(b, gone)
     assert np.asarray(lookup(a, all_keys, groups)).tolist() == np.asarray(lookup(b, all_keys, groups)).tolist()
+
+
+def test_insertion_clock_is_renumbered_before_int32_ends():
+    """Duplicates under one key are served oldest first by their insertion times. A cache whose clock
+    nears 2^31 (years of inserts) would wrap and take the newest block for the oldest; ``new_step``
+    renumbers the times first, in their order, so the oldest still takes over."""
+    from dataclasses import replace
+
+    from hkv_jax.allocator import ops
+    from hkv_jax.allocator.state import Layout, init_state
+    from hkv_jax.planner import plan
+    from hkv_jax.spec import FullAttentionSpec
+
+    cfg = plan([FullAttentionSpec(name="f", num_kv_heads=1, head_size=8)], block_size=4, num_blocks=NB)
+    layout = Layout.from_config(cfg, max_model_len=16, max_requests=1)
+    key, group = jnp.asarray(KEYS[0]), jnp.int32(0)
+    cache = init_state(layout).bp.cache
+    for b in (1, 2):
+        cache = insert(cache, jnp.int32(b), key, group)
+    start = 2**31 - 2  # block 1 cached at start - 2, block 2 at start - 1
+    cache = replace(cache, clock=jnp.int32(start), cached_at=cache.cached_at.at[jnp.array([1, 2])].set(
+        jnp.array([start - 2, start - 1], jnp.int32)))
+
+    def third_after(cache):
+        for b in (3, 4, 5):  # the clock passes 2^31 - 1 here
+            cache = insert(cache, jnp.int32(b), key, group)
+        cache = evict(cache, jnp.int32(1))  # the oldest leaves: the next oldest (2) takes over
+        return int(lookup(cache, key[None], group[None])[0])
+
+    assert third_after(cache) != 2  # without renumbering: the wrapped clock makes a newer block "oldest"
+    st = jax.jit(ops.new_step, static_argnums=0)(layout, replace(init_state(layout), bp=replace(
+        init_state(layout).bp, cache=cache)))
+    assert int(st.bp.cache.clock) == 2 and np.asarray(st.bp.cache.cached_at)[[1, 2]].tolist() == [0, 1]
+    assert third_after(st.bp.cache) == 2

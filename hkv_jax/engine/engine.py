@@ -95,25 +95,35 @@ class Stats:
     host_to_device_bytes: int = 0   # plans, releases and new prompts
     device_to_host: int = 0         # reads of a step's report (one per step)
     prepare_calls: int = 0          # steps that released or admitted requests
-    seconds: float = 0.0
+    bucket_steps: dict[int, int] = field(default_factory=dict)  # steps per token bucket (program)
+    seconds: float = 0.0            # in ``step()``
+    device_seconds: float = 0.0     # ... from the first program's dispatch to the report's arrival
 
 
 class Engine:
     """A serving loop around the jitted step for an NNX model with the ``paged`` protocol
     (``hkv_jax.models.tiny.TinyLM.paged``: ``cfg.layers``, ``cfg.vocab_size`` and ``paged``).
 
-    ``vectorised=False`` runs the allocator request by request (the exact statement, for tests and
-    comparisons). Raises ``ValueError`` for sizes that cannot serve, before anything is compiled.
+    ``token_budget`` caps the tokens computed per step. The step is compiled once per size in
+    ``token_buckets`` (default: ``max_requests`` and ``token_budget``), and each step runs the smallest
+    that holds its tokens: a decode-only step does not pay for prefill-sized arrays. Pass one bucket
+    to compile once. ``vectorised=False`` runs the allocator request by request (the exact statement,
+    for tests and comparisons). Raises ``ValueError`` for sizes that cannot serve, before anything
+    is compiled.
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int = 16, max_requests: int = 8,
                  max_model_len: int = 256, token_budget: int = 64, policy: str = "vllm",
                  impl: str = "auto", seed: int = 0, prefix_caching: bool = True,
-                 window_aware_eviction: bool = False, vectorised: bool = True):
+                 window_aware_eviction: bool = False, vectorised: bool = True,
+                 token_buckets: tuple[int, ...] | None = None):
         for name, value in (("token_budget", token_budget), ("max_requests", max_requests),
                             ("max_model_len", max_model_len), ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        buckets = sorted(set(token_buckets or (min(max_requests, token_budget), token_budget)))
+        if buckets[0] < 1 or buckets[-1] != token_budget:
+            raise ValueError(f"token_buckets must be positive and end at token_budget {token_budget}, got {buckets}")
         self.config = plan_cache(model.cfg.layers, block_size=block_size, policy=policy, num_blocks=num_blocks)
         need = self.config.blocks_per_request(max_model_len)
         if num_blocks - 1 < need:
@@ -126,7 +136,9 @@ class Engine:
         self.vocab_size = model.cfg.vocab_size
         self.model_layers = model.cfg.layers
         self._align = any(self.layout.is_mamba(g) for g in range(self.layout.num_groups))
-        self.static = StepStatic(graphdef, self.layout, token_budget, impl, vectorised)
+        self.token_budget = token_budget
+        self.statics = [StepStatic(graphdef, self.layout, b, impl, vectorised) for b in buckets]
+        self.vectorised = vectorised
         self.state = EngineState(init_state(self.layout), init_cache(self.config), jax.random.PRNGKey(seed))
         self.requests: dict[int, Request] = {}
         self.waiting: list[int] = []   # request ids, front first
@@ -178,7 +190,7 @@ class Engine:
         """This step's plan (decoding requests, then running ones with a chunk, then waiting ones), its
         releases and admissions (``None`` when there are none), the planned request ids and the admitted ones."""
         R = self.layout.max_requests
-        budget = self.static.token_budget
+        budget = self.token_budget
         decoding: list[tuple[int, int]] = []  # (request id, tokens)
         chunked: list[tuple[int, int]] = []
         for rid in self.running:
@@ -242,8 +254,9 @@ class Engine:
         plan, changes, order, admit = self._plan()
         if not order and changes is None:
             return []
+        t_dispatch = time.perf_counter()
         if changes is not None:
-            alloc = _PREPARE(self.layout, self.state.alloc, changes, self.static.vectorised)
+            alloc = _PREPARE(self.layout, self.state.alloc, changes, self.vectorised)
             self.state = replace(self.state, alloc=alloc)
             self.stats.host_to_device_bytes += _nbytes(changes)
             self.stats.prepare_calls += 1
@@ -251,12 +264,19 @@ class Engine:
         for rid in admit:
             self.requests[rid].admitted = True
         if not order:  # only releases
-            self.stats.seconds += time.perf_counter() - t0
+            jax.block_until_ready(self.state.alloc.counts)
+            t = time.perf_counter()
+            self.stats.device_seconds += t - t_dispatch
+            self.stats.seconds += t - t0
             return []
-        self.state, out = _STEP(self.static, self.params, self.state, plan)
+        tokens = int(plan.want.sum())
+        static = next(s for s in self.statics if s.token_budget >= tokens)
+        self.state, out = _STEP(static, self.params, self.state, plan)
+        self.stats.bucket_steps[static.token_budget] = self.stats.bucket_steps.get(static.token_budget, 0) + 1
         self.stats.host_to_device_bytes += _nbytes(plan)
         self.last_output = out  # stays on the device; the host reads only its report
         ok, n, hit, sampled, tokens = np.asarray(out.report)
+        self.stats.device_seconds += time.perf_counter() - t_dispatch
         self.stats.device_to_host += 1
         events = []
         refused = []
@@ -332,7 +352,7 @@ class Engine:
 
     @staticmethod
     def compilations() -> int:
-        """Step programs compiled in this process (one per model graph, allocator layout and token budget)."""
+        """Step programs compiled in this process (one per model graph, allocator layout and token bucket)."""
         return _STEP._cache_size()
 
     # --- snapshots ------------------------------------------------------------------------

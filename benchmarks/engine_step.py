@@ -1,0 +1,187 @@
+"""Engine step time, split into allocator and model, on ``allocator_step.py``'s workload, old path vs new.
+
+B requests with 2048-token random prompts (block size 16, prefix caching on, ``vllm`` policy, the vLLM
+oracle's pool size: the workload of ``allocator_step.py``), served by ``hkv_jax.engine.Engine``: one step
+admits and prefills them all, then ``--decode`` steps decode one token each. What is timed is what a user
+runs, ``Engine.step()``: host planning, transfers, ``prepare`` (admissions) when it runs, the step program,
+the report read back and the host's bookkeeping. Its device part (the programs, from dispatch to the
+report) is also reported alone.
+
+The model is ``NoOpLM``: the workload's layer specs (so the same KV cache groups) with one-element heads,
+zero logits over a 2-token vocabulary and the KV memory untouched. The step time is then the allocator's
+share (plus the step's fixed plumbing: metadata, sampling, the report). ``--model-share`` also times a
+tiny real model (``TinyLM`` with the workload's layer pattern: hidden 64, 1 KV head of 16, jnp reference
+attention) for decode steps at the given batch sizes; its excess over the no-op step is the model's share.
+
+``--paths new,old``: ``new`` is the vectorised allocator (``Engine(vectorised=True)``), ``old`` the
+per-request path (one ``schedule`` per request, ``vectorised=False``), measured in the same run. Decode
+times are medians over the decode steps, prefill the median over ``--repeats`` fresh engines after a
+warm-up engine that compiles every program.
+
+Run: ``python benchmarks/engine_step.py [--models full32,gemma3,gptoss] [--batch 64,256,1024]
+[--paths new,old] [--decode 32] [--repeats 3] [--model-share 64,256] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from allocator_step import BS, MODELS, NUM_LAYERS, PROMPT
+from hkv_jax.engine import Engine
+from hkv_jax.models.tiny import TinyConfig, TinyLM
+from hkv_jax.planner import cdiv, plan
+from hkv_jax.spec import layers_from_trace
+
+
+@dataclass(frozen=True)
+class NoOpConfig:
+    """What the engine reads of a model's config."""
+
+    layers: tuple
+    vocab_size: int = 2
+
+
+class NoOpLM(nnx.Module):
+    """A model that computes nothing: zero logits, the KV memory untouched (the engine's allocator share)."""
+
+    def __init__(self, layers):
+        self.cfg = NoOpConfig(tuple(layers))
+
+    def paged(self, tokens, positions, cache, metadata, impl="auto", sample_at=None):
+        rows = tokens.shape[0] if sample_at is None else sample_at.shape[0]
+        return jnp.zeros((rows, self.cfg.vocab_size), jnp.float32), cache
+
+
+def workload_layers(name: str, head_size: int):
+    """``allocator_step.py``'s layers of model ``name`` with heads of ``head_size`` (1 KV head each)."""
+    pattern = [{**layer, "num_kv_heads": 1, "head_size": head_size} for layer in MODELS[name]]
+    return layers_from_trace({"layer_pattern": {"num_layers": NUM_LAYERS[name], "pattern": pattern}})
+
+
+def make_engine(model, layers, batch: int, decode: int, vectorised: bool) -> Engine:
+    groups = len(plan(layers, block_size=BS, policy="vllm", num_blocks=2).groups)
+    per_req = cdiv(PROMPT + decode + BS, BS)
+    nb = batch * per_req * (groups + 1) + 64  # the oracle's pool size, as allocator_step.py
+    return Engine(model, num_blocks=nb, block_size=BS, max_requests=batch, max_model_len=PROMPT + decode + 2 * BS,
+                  token_budget=batch * PROMPT, token_buckets=(batch, batch * PROMPT), policy="vllm",
+                  impl="reference", vectorised=vectorised)
+
+
+def timed_step(engine: Engine) -> tuple[float, float]:
+    """One ``Engine.step()``: (wall seconds, seconds from its first program's dispatch to the report)."""
+    before = engine.stats.device_seconds
+    t = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - t, engine.stats.device_seconds - before
+
+
+def add_requests(engine: Engine, batch: int, decode: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(batch):
+        engine.add_request(rng.integers(1, 32000, PROMPT).tolist(), decode + 2)
+
+
+def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int) -> dict:
+    layers = workload_layers(model_name, head_size=1)
+    model = NoOpLM(layers)
+    vectorised = path == "new"
+    # Warm-up engine: compiles prepare (this prompt size) and both step buckets.
+    eng = make_engine(model, layers, batch, decode, vectorised)
+    add_requests(eng, batch, decode, seed=0)
+    eng.step()
+    eng.step()
+    prefill, prefill_dev = [], []
+    for r in range(repeats):
+        eng = make_engine(model, layers, batch, decode, vectorised)
+        add_requests(eng, batch, decode, seed=r + 1)
+        wall, dev = timed_step(eng)
+        prefill.append(wall)
+        prefill_dev.append(dev)
+    if eng.stats.preemptions or len(eng.running) != batch:
+        raise RuntimeError(f"the prefill did not run every request ({len(eng.running)} of {batch})")
+    steps, steps_dev = [], []
+    for _ in range(decode):
+        wall, dev = timed_step(eng)
+        steps.append(wall)
+        steps_dev.append(dev)
+    if eng.stats.preemptions:
+        raise RuntimeError("a decode step preempted: the pool is too small")
+    us = lambda xs: round(statistics.median(xs) * 1e6, 1)
+    return {"model": model_name, "batch": batch, "path": path, "num_blocks": eng.layout.num_blocks,
+            "groups": eng.layout.num_groups,
+            "decode_step_us": us(steps), "decode_device_us": us(steps_dev),
+            "decode_host_us": round(us(steps) - us(steps_dev), 1),
+            "prefill_us_per_request": round(us(prefill) / batch, 1),
+            "prefill_device_us_per_request": round(us(prefill_dev) / batch, 1)}
+
+
+def model_share(model_name: str, batch: int, decode: int) -> dict:
+    """Decode step with a tiny real model vs the no-op model, same layers and engine (new path)."""
+    layers = workload_layers(model_name, head_size=16)
+    cfg = TinyConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=1, num_kv_heads=1,
+                     head_dim=16, layers=tuple(layers))
+    out = {"model": model_name, "batch": batch}
+    for label, model in (("noop", NoOpLM(layers)), ("tiny", TinyLM(cfg, nnx.Rngs(0)))):
+        eng = make_engine(model, layers, batch, decode, True)
+        rng = np.random.default_rng(0)
+        for _ in range(batch):  # short prompts: the tiny model's CPU prefill stays affordable
+            eng.add_request(rng.integers(1, 256, 4 * BS).tolist(), decode + 2)
+        eng.step()
+        eng.step()
+        times = [timed_step(eng)[0] for _ in range(decode)]
+        out[f"{label}_decode_step_us"] = round(statistics.median(times) * 1e6, 1)
+    out["model_share_us"] = round(out["tiny_decode_step_us"] - out["noop_decode_step_us"], 1)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="full32,gemma3,gptoss")
+    p.add_argument("--batch", default="64,256,1024")
+    p.add_argument("--paths", default="new,old", help="new (vectorised allocator), old (per request), or both")
+    p.add_argument("--decode", type=int, default=32, help="decode steps timed")
+    p.add_argument("--repeats", type=int, default=3, help="prefills timed (fresh engines), after a warm-up")
+    p.add_argument("--model-share", default="", help="batch sizes at which to time a tiny real model's decode step")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    rows, shares = [], []
+    for m in a.models.split(","):
+        if m not in MODELS:
+            p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+        for b in map(int, a.batch.split(",")):
+            for path in a.paths.split(","):
+                if path not in ("new", "old"):
+                    p.error(f"unknown path {path!r}: new or old")
+                print(f"... {m} B={b} {path}", file=sys.stderr, flush=True)
+                rows.append(run_one(m, b, path, a.decode, a.repeats))
+        for b in map(int, filter(None, a.model_share.split(","))):
+            print(f"... {m} B={b} model share", file=sys.stderr, flush=True)
+            shares.append(model_share(m, b, min(a.decode, 8)))
+    if a.json:
+        print(json.dumps({"steps": rows, "model_share": shares}, indent=1))
+        return 0
+    print(f"machine: {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, jax {jax.__version__}")
+    print(f"{'model':<8} {'B':>5} {'path':>4} {'decode step us':>15} {'device':>9} {'host':>9} "
+          f"{'prefill us/req':>15} {'device':>9}")
+    for r in rows:
+        print(f"{r['model']:<8} {r['batch']:>5} {r['path']:>4} {r['decode_step_us']:>15} {r['decode_device_us']:>9} "
+              f"{r['decode_host_us']:>9} {r['prefill_us_per_request']:>15} {r['prefill_device_us_per_request']:>9}")
+    for s in shares:
+        print(f"{s['model']:<8} {s['batch']:>5} decode step: no-op model {s['noop_decode_step_us']} us, tiny model "
+              f"{s['tiny_decode_step_us']} us: model share {s['model_share_us']} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
