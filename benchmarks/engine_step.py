@@ -8,7 +8,8 @@ the report read back and the host's bookkeeping. Its device part (the programs, 
 report) is also reported alone.
 
 The model is ``NoOpLM``: the workload's layer specs (so the same KV cache groups) with one-element heads,
-zero logits over a 2-token vocabulary and the KV memory untouched. The step time is then the allocator's
+the KV memory untouched, and zero logits one column wide (the sampled token is always 0: sampling costs
+nothing), though it accepts the workload's 32,000 token ids. The step time is then the allocator's
 share (plus the step's fixed plumbing: metadata, sampling, the report). ``--model-share`` also times a
 tiny real model (``TinyLM`` with the workload's layer pattern: hidden 64, 1 KV head of 16, jnp reference
 attention) for decode steps at the given batch sizes; its excess over the no-op step is the model's share.
@@ -17,6 +18,13 @@ attention) for decode steps at the given batch sizes; its excess over the no-op 
 per-request path (one ``schedule`` per request, ``vectorised=False``), measured in the same run. Decode
 times are medians over the decode steps, prefill the median over ``--repeats`` fresh engines after a
 warm-up engine that compiles every program.
+
+Each row also has, measured in the same process just before (this machine's speed drifts by tens of
+percent within minutes): ``allocator_step.py``'s figures for the same model and batch (its allocator
+programs alone: ``alloc_decode_us``, ``alloc_prefill_us_per_request``) and the dispatch floor of a decode
+step (``floor_us``: a program that returns the lean decode step's arguments unchanged, donated: what JAX
+charges per array passed in and out, about 3 us each on this CPU; the KV memory is one array per shared
+tensor, 32 for full32).
 
 Run: ``python benchmarks/engine_step.py [--models full32,gemma3,gptoss] [--batch 64,256,1024]
 [--paths new,old] [--decode 32] [--repeats 3] [--model-share 64,256] [--json]``.
@@ -30,13 +38,14 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import allocator_step
 from allocator_step import BS, MODELS, NUM_LAYERS, PROMPT
 from hkv_jax.engine import Engine
 from hkv_jax.models.tiny import TinyConfig, TinyLM
@@ -49,7 +58,7 @@ class NoOpConfig:
     """What the engine reads of a model's config."""
 
     layers: tuple
-    vocab_size: int = 2
+    vocab_size: int = 32000  # the token ids prompts may use
 
 
 class NoOpLM(nnx.Module):
@@ -60,7 +69,7 @@ class NoOpLM(nnx.Module):
 
     def paged(self, tokens, positions, cache, metadata, impl="auto", sample_at=None):
         rows = tokens.shape[0] if sample_at is None else sample_at.shape[0]
-        return jnp.zeros((rows, self.cfg.vocab_size), jnp.float32), cache
+        return jnp.zeros((rows, 1), jnp.float32), cache
 
 
 def workload_layers(name: str, head_size: int):
@@ -92,6 +101,19 @@ def add_requests(engine: Engine, batch: int, decode: int, seed: int) -> None:
         engine.add_request(rng.integers(1, 32000, PROMPT).tolist(), decode + 2)
 
 
+def dispatch_floor(engine: Engine, runs: int = 200) -> float:
+    """Median seconds of a donated identity program over the arrays a lean decode step passes."""
+    part = replace(engine.state, alloc=replace(engine.state.alloc, bp=None, step_cached=None))
+    ident = jax.jit(lambda s: s, donate_argnums=0)
+    part = jax.tree.map(jnp.copy, part)
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        part = jax.block_until_ready(ident(part))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[runs // 5:])
+
+
 def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int) -> dict:
     layers = workload_layers(model_name, head_size=1)
     model = NoOpLM(layers)
@@ -119,11 +141,12 @@ def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int) -
         raise RuntimeError("a decode step preempted: the pool is too small")
     us = lambda xs: round(statistics.median(xs) * 1e6, 1)
     return {"model": model_name, "batch": batch, "path": path, "num_blocks": eng.layout.num_blocks,
-            "groups": eng.layout.num_groups,
+            "groups": eng.layout.num_groups, "programs": eng.stats.bucket_steps,
             "decode_step_us": us(steps), "decode_device_us": us(steps_dev),
             "decode_host_us": round(us(steps) - us(steps_dev), 1),
             "prefill_us_per_request": round(us(prefill) / batch, 1),
-            "prefill_device_us_per_request": round(us(prefill_dev) / batch, 1)}
+            "prefill_device_us_per_request": round(us(prefill_dev) / batch, 1),
+            "floor_us": us([dispatch_floor(eng)])}
 
 
 def model_share(model_name: str, batch: int, decode: int) -> dict:
@@ -160,11 +183,16 @@ def main(argv=None) -> int:
         if m not in MODELS:
             p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
         for b in map(int, a.batch.split(",")):
+            print(f"... {m} B={b} allocator_step", file=sys.stderr, flush=True)
+            ref = allocator_step.run_one(m, b, a.repeats)
             for path in a.paths.split(","):
                 if path not in ("new", "old"):
                     p.error(f"unknown path {path!r}: new or old")
                 print(f"... {m} B={b} {path}", file=sys.stderr, flush=True)
-                rows.append(run_one(m, b, path, a.decode, a.repeats))
+                row = run_one(m, b, path, a.decode, a.repeats)
+                row.update(alloc_decode_us=ref["decode_step_us"], alloc_prefill_us_per_request=ref["prefill_us_per_request"],
+                           decode_device_vs_alloc=round(row["decode_device_us"] / ref["decode_step_us"], 2))
+                rows.append(row)
         for b in map(int, filter(None, a.model_share.split(","))):
             print(f"... {m} B={b} model share", file=sys.stderr, flush=True)
             shares.append(model_share(m, b, min(a.decode, 8)))
@@ -172,11 +200,13 @@ def main(argv=None) -> int:
         print(json.dumps({"steps": rows, "model_share": shares}, indent=1))
         return 0
     print(f"machine: {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, jax {jax.__version__}")
-    print(f"{'model':<8} {'B':>5} {'path':>4} {'decode step us':>15} {'device':>9} {'host':>9} "
-          f"{'prefill us/req':>15} {'device':>9}")
+    print(f"{'model':<8} {'B':>5} {'path':>4} {'decode step us':>15} {'device':>9} {'host':>9} {'floor':>7} "
+          f"{'alloc':>7} {'dev/alloc':>9} {'prefill us/req':>15} {'device':>9} {'alloc':>7}")
     for r in rows:
         print(f"{r['model']:<8} {r['batch']:>5} {r['path']:>4} {r['decode_step_us']:>15} {r['decode_device_us']:>9} "
-              f"{r['decode_host_us']:>9} {r['prefill_us_per_request']:>15} {r['prefill_device_us_per_request']:>9}")
+              f"{r['decode_host_us']:>9} {r['floor_us']:>7} {r['alloc_decode_us']:>7} {r['decode_device_vs_alloc']:>9} "
+              f"{r['prefill_us_per_request']:>15} {r['prefill_device_us_per_request']:>9} "
+              f"{r['alloc_prefill_us_per_request']:>7}")
     for s in shares:
         print(f"{s['model']:<8} {s['batch']:>5} decode step: no-op model {s['noop_decode_step_us']} us, tiny model "
               f"{s['tiny_decode_step_us']} us: model share {s['model_share_us']} us")

@@ -64,6 +64,16 @@ def decode_step(layout: Layout, state: AllocatorState, slots, fallback: bool = T
     return _decode(layout, state, slots, mask, fallback, count_only=False)
 
 
+def count_if_idle(layout: Layout, state: AllocatorState, slots, mask) -> tuple[AllocatorState, jax.Array]:
+    """``decode_step``'s idle path alone, for use inside a program: where every lane of ``mask`` only
+    counts its token, the state after doing so, else ``state`` itself; and per lane whether it only
+    counts its token (``bool[B]``, False outside ``mask``). No conditional: a cheap program for steps
+    the caller expects to be idle (the engine's decode steps when the previous step said so)."""
+    counts, lane_idle = _decode(layout, _DecodeInputs(state.counts, state.tables), slots, mask, False,
+                                count_only=True)
+    return replace(state, counts=counts), lane_idle
+
+
 def idle_decode(layout: Layout, state: AllocatorState, slots) -> tuple[AllocatorState, jax.Array]:
     """Whether ``decode_step(layout, state, slots)`` would only count the token (path 0, the usual
     step), and the state it would leave then (else ``state`` itself).
@@ -87,7 +97,8 @@ def _release_groups(layout: Layout) -> list[int]:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _idle_decode(layout: Layout, inputs: _DecodeInputs, slots):
-    return _decode(layout, inputs, slots, jnp.ones(slots.shape, bool), False, count_only=True)
+    counts, lane_idle = _decode(layout, inputs, slots, jnp.ones(slots.shape, bool), False, count_only=True)
+    return counts, jnp.all(lane_idle)
 
 
 def _plan_releases(cache, pool: P.BlockPool, calls: jax.Array, early: jax.Array) -> P.Release:
@@ -97,8 +108,8 @@ def _plan_releases(cache, pool: P.BlockPool, calls: jax.Array, early: jax.Array)
 
 
 def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, fallback: bool, count_only: bool):
-    """``decode_step``'s body; ``count_only``: ``idle_decode``'s answer (the new counts, idle), computed
-    before anything busy (from the ``_DecodeInputs`` only)."""
+    """``decode_step``'s body; ``count_only``: its idle path alone (the new counts, and per lane whether
+    it only counts its token), computed before anything busy (from the ``_DecodeInputs`` only)."""
     bs, G, M, R = layout.block_size, layout.num_groups, layout.max_blocks, layout.max_requests
     B = slots.shape[0]
     at = jnp.where(mask, slots, R)                                           # masked lanes write nothing
@@ -160,11 +171,14 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
     nfull = jnp.minimum(jnp.minimum(C + 1, T), (T // bs) * bs) // bs
     nfull = jnp.where(mask[:, None], nfull[:, None], before)                 # masked lanes cache nothing
     num_cached = jnp.maximum(before, nfull)
-    running = jnp.all((counter(rows, "status") == RUNNING) | ~mask) & jnp.all((T - C >= 1) | ~mask)
-    idle = (running & (total == 0) & jnp.all(num_cached == before) & jnp.all(flat == 0)
-            & jnp.all((retired_new == retired) | ~mask[:, None]))
+    running = (counter(rows, "status") == RUNNING) & (T - C >= 1)
+    releases = jnp.any(jnp.stack(calls, 1) > 0, axis=(1, 2)) if calls else jnp.zeros(B, bool)
+    # Per request: it only counts the token (no block taken, filled or released).
+    lane_idle = (running & (jnp.sum(cnt, axis=1) == 0) & jnp.all(num_cached == before, axis=1) & ~releases
+                 & jnp.all(retired_new == retired, axis=1))
+    idle = jnp.all(lane_idle | ~mask)
     if count_only:
-        return set_counters(state.counts, at, num_computed=jnp.where(idle, C + 1, C)), idle
+        return set_counters(state.counts, at, num_computed=jnp.where(idle, C + 1, C)), lane_idle & mask
 
     def entry(tables, g, j):
         """Entry ``j`` of group ``g``'s row after the releases."""
@@ -186,7 +200,7 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
         # New blocks come from blocks free before the step (none released to the front when any is taken).
         pop = P.pop_plan(pool, total, B * G)
         vectorisable = (
-            running & (total <= pool.num_free) & pop.enough
+            jnp.all(running | ~mask) & (total <= pool.num_free) & pop.enough
             & ~jnp.any(BP.pc.needs_promotion(cache, pop.ids)) & jnp.all(nfull - before <= 1)
         )
         fast = vectorisable & single & releases.fits & ((total == 0) | ~jnp.any(releases.to_front))

@@ -26,31 +26,43 @@ def _rotl(x, r: int, xp):
     return (x << xp.uint32(r)) | (x >> xp.uint32(32 - r))
 
 
-def _absorb(state, word, xp):
-    """Mix one 32-bit word into the 4-lane state (same arithmetic for jnp and numpy)."""
-    mul = xp.asarray(_MUL)
-    s = state ^ (word * mul)
-    s = _rotl(s, 15, xp) * mul[::-1]
+# The state is 4 separate uint32 lanes (arrays of the batch's shape), not one [..., 4] array: every
+# step is then elementwise, which XLA fuses into one loop (rolling a [..., 4] array splits it into
+# many small kernels).
+
+
+def _lanes(state, xp) -> tuple:
+    """``[..., 4]`` -> 4 lanes."""
+    return tuple(state[..., i] for i in range(LANES))
+
+
+def _absorb(lanes: tuple, word, xp) -> tuple:
+    """Mix one 32-bit word (an array of the lanes' shape) into the 4 lanes (same arithmetic for jnp and numpy)."""
+    s = [_rotl(lane ^ (word * xp.uint32(_MUL[i])), 15, xp) * xp.uint32(_MUL[LANES - 1 - i])
+         for i, lane in enumerate(lanes)]
     # Cross-lane diffusion: each lane takes in its right neighbour.
-    return s + _rotl(xp.roll(s, -1, axis=-1), 7, xp) + xp.uint32(0x6B43A9B5)
+    return tuple(s[i] + _rotl(s[(i + 1) % LANES], 7, xp) + xp.uint32(0x6B43A9B5) for i in range(LANES))
 
 
-def _finalize(state, xp):
-    s = state ^ (state >> xp.uint32(16))
-    s = s * xp.uint32(0x85EBCA6B)
-    s = s ^ (s >> xp.uint32(13))
-    s = s * xp.uint32(0xC2B2AE35)
-    s = s ^ (s >> xp.uint32(16))
-    return s ^ xp.roll(s, 2, axis=-1)
+def _finalize(lanes: tuple, xp):
+    """The lanes' hash as ``[..., 4]``."""
+    mixed = []
+    for s in lanes:
+        s = s ^ (s >> xp.uint32(16))
+        s = s * xp.uint32(0x85EBCA6B)
+        s = s ^ (s >> xp.uint32(13))
+        s = s * xp.uint32(0xC2B2AE35)
+        mixed.append(s ^ (s >> xp.uint32(16)))
+    return xp.stack([mixed[i] ^ mixed[(i + 2) % LANES] for i in range(LANES)], axis=-1)
 
 
 def _hash_block(parent, tokens, extra, xp):
-    state = parent
+    lanes = _lanes(parent, xp)
     for t in range(tokens.shape[-1]):
-        state = _absorb(state, tokens[..., t : t + 1].astype(xp.uint32), xp)
+        lanes = _absorb(lanes, tokens[..., t].astype(xp.uint32), xp)
     for e in range(extra.shape[-1]):
-        state = _absorb(state, extra[..., e : e + 1].astype(xp.uint32), xp)
-    return _finalize(state, xp)
+        lanes = _absorb(lanes, extra[..., e].astype(xp.uint32), xp)
+    return _finalize(lanes, xp)
 
 
 def np_block_hashes(tokens, block_size: int, first_extra=(), extra=()) -> np.ndarray:
@@ -103,11 +115,14 @@ def hash_one_block(parent: jax.Array, blk: jax.Array, first_extra: jax.Array, is
 
 
 def _hash_block_masked(parent, blk, first_extra, is_first, extra):
-    state = parent
+    lanes = _lanes(parent, jnp)
     for t in range(blk.shape[-1]):
-        state = _absorb(state, blk[t : t + 1], jnp)
+        lanes = _absorb(lanes, blk[..., t], jnp)
+        if t % 2:  # bound XLA's fusions: one of the whole chain duplicates work (lanes feed each other)
+            lanes = jax.lax.optimization_barrier(lanes)
     for e in range(first_extra.shape[-1]):
-        state = jnp.where(is_first, _absorb(state, first_extra[e : e + 1], jnp), state)
+        absorbed = _absorb(lanes, first_extra[..., e], jnp)
+        lanes = tuple(jnp.where(is_first, a, b) for a, b in zip(absorbed, lanes))
     for e in range(extra.shape[-1]):
-        state = _absorb(state, extra[e : e + 1], jnp)
-    return _finalize(state, jnp)
+        lanes = _absorb(lanes, extra[..., e], jnp)
+    return _finalize(lanes, jnp)

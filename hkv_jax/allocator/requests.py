@@ -83,6 +83,8 @@ def admit_batch(layout: Layout, state: AllocatorState, slots, prompts, lens, sal
     def hash_block(i, carry):
         hashes, parent = carry
         blk = prompts[jnp.clip(starts[:, None] + i * bs + lane[None, :], 0, Pn - 1)]    # [A, bs]
+        # Gathered once: fused into the hash, XLA would redo the gather for every use of a token.
+        blk = jax.lax.optimization_barrier(blk)
         h = jax.vmap(hash_one_block, (0, 0, 0, None, None))(parent, blk, salt, i == 0, _NO_EXTRA)
         full = i < lens // bs
         return hashes.at[jnp.where(full, at, R), i].set(h, mode="drop"), jnp.where(full[:, None], h, parent)
@@ -100,7 +102,7 @@ def append_token(layout: Layout, state: AllocatorState, slot, token) -> Allocato
 
 def append_batch(layout: Layout, state: AllocatorState, slots, tokens, mask=None) -> AllocatorState:
     """Append ``tokens[i]`` to the request in ``slots[i]`` (distinct) where ``mask`` (default: all);
-    the blocks they fill are hashed, in one vectorised update (skipped when no block fills)."""
+    the blocks they fill are hashed, in one vectorised update."""
     bs, R = layout.block_size, layout.max_requests
     if mask is None:
         mask = jnp.ones(slots.shape, bool)
@@ -111,13 +113,15 @@ def append_batch(layout: Layout, state: AllocatorState, slots, tokens, mask=None
     full = mask & (n1 % bs == 0)
     idx = jnp.maximum(n1 // bs - 1, 0)
 
-    def hash_filled(hashes):
-        parent = jnp.where((idx > 0)[:, None], hashes[slots, jnp.maximum(idx - 1, 0)], jnp.asarray(SEED))
-        blk = toks[slots[:, None], idx[:, None] * bs + jnp.arange(bs)[None, :]]       # [B, bs]
-        h = jax.vmap(hash_one_block, (0, 0, 0, 0, None))(parent, blk, state.salt[slots], idx == 0, _NO_EXTRA)
-        return hashes.at[jnp.where(full, slots, R), idx].set(h, mode="drop")
-
-    hashes = jax.lax.cond(jnp.any(full), hash_filled, lambda h: h, state.hashes)
+    # Hashing costs a few hundred operations per block: only in steps where a block fills. The branch
+    # reads small arrays gathered before it (XLA copies the arrays a conditional reads into it).
+    parent = jnp.where((idx > 0)[:, None], state.hashes[slots, jnp.maximum(idx - 1, 0)], jnp.asarray(SEED))
+    blk = toks[slots[:, None], idx[:, None] * bs + jnp.arange(bs)[None, :]]           # [B, bs]
+    salt = state.salt[slots]
+    h = jax.lax.cond(jnp.any(full),
+                     lambda: jax.vmap(hash_one_block, (0, 0, 0, 0, None))(parent, blk, salt, idx == 0, _NO_EXTRA),
+                     lambda: jnp.zeros((slots.shape[0], 4), jnp.uint32))
+    hashes = state.hashes.at[jnp.where(full, slots, R), idx].set(h, mode="drop")
     return replace(state, tokens=toks, hashes=hashes).with_counters(at, num_tokens=n1)
 
 

@@ -93,9 +93,10 @@ class Stats:
     generated: int = 0
     preemptions: int = 0
     host_to_device_bytes: int = 0   # plans, releases and new prompts
-    device_to_host: int = 0         # reads of a step's report (one per step)
+    device_to_host: int = 0         # reads of a step's report (one per step; two after a lean miss)
     prepare_calls: int = 0          # steps that released or admitted requests
-    bucket_steps: dict[int, int] = field(default_factory=dict)  # steps per token bucket (program)
+    bucket_steps: dict[str, int] = field(default_factory=dict)  # steps per program: token bucket, "lean " ones
+    lean_misses: int = 0            # lean steps that found a block to move (the full step ran after)
     seconds: float = 0.0            # in ``step()``
     device_seconds: float = 0.0     # ... from the first program's dispatch to the report's arrival
 
@@ -132,13 +133,15 @@ class Engine:
         self.layout = Layout.from_config(self.config, max_model_len=max_model_len, max_requests=max_requests,
                                          window_aware_eviction=window_aware_eviction)
         graphdef, params = nnx.split(model)
-        self.params = params
+        self.params, params_def = jax.tree.flatten(params)
         self.vocab_size = model.cfg.vocab_size
         self.model_layers = model.cfg.layers
         self._align = any(self.layout.is_mamba(g) for g in range(self.layout.num_groups))
         self.token_budget = token_budget
-        self.statics = [StepStatic(graphdef, self.layout, b, impl, vectorised) for b in buckets]
+        self.statics = [StepStatic(graphdef, params_def, self.layout, b, impl, vectorised) for b in buckets]
+        self._lean = [replace(s, lean=True) for s in self.statics]
         self.vectorised = vectorised
+        self._idle_next: set[int] = set()  # slots whose next decode only counts a token (the last report)
         self.state = EngineState(init_state(self.layout), init_cache(self.config), jax.random.PRNGKey(seed))
         self.requests: dict[int, Request] = {}
         self.waiting: list[int] = []   # request ids, front first
@@ -180,15 +183,19 @@ class Engine:
 
     def _chunk(self, r: Request, budget: int) -> int:
         """Tokens ``r`` computes this step: what is left, within the budget and its chunk limit."""
-        n = min(r.total - r.computed, budget, r.max_chunk)
+        left = len(r.prompt) + len(r.generated) - r.computed
+        if left == 1:  # decoding (the usual case, first)
+            return min(1, budget)
+        n = min(left, budget, r.max_chunk)
         bs = self.layout.block_size
         if self._align and r.computed % bs:
             n = min(n, bs - r.computed % bs)  # Mamba: stop at the block boundary
         return n
 
-    def _plan(self) -> tuple[StepPlan, Changes | None, list[int], list[int]]:
+    def _plan(self) -> tuple[StepPlan, Changes | None, list[int], list[int], int, int]:
         """This step's plan (decoding requests, then running ones with a chunk, then waiting ones), its
-        releases and admissions (``None`` when there are none), the planned request ids and the admitted ones."""
+        releases and admissions (``None`` when there are none), the planned request ids, the admitted
+        ones, and how many of the planned requests decode one token and how many are running."""
         R = self.layout.max_requests
         budget = self.token_budget
         decoding: list[tuple[int, int]] = []  # (request id, tokens)
@@ -220,8 +227,8 @@ class Engine:
         want = np.zeros(R, np.int32)
         slots[:len(picks)] = [self.requests[rid].slot for rid in order]
         want[:len(picks)] = [n for _, n in picks]
-        plan = StepPlan(slots=slots, want=want, sampling=np.array([self.temperature, self.top_p], np.float32))
-        return plan, self._changes(admit), order, admit
+        plan = StepPlan.pack(slots, want, self.temperature, self.top_p)
+        return plan, self._changes(admit), order, admit, len(decoding), len(decoding) + len(chunked)
 
     def _changes(self, admit: list[int]) -> Changes | None:
         """The releases of this step and the prompts of the requests it admits (``None``: nothing)."""
@@ -251,7 +258,7 @@ class Engine:
     def step(self) -> list[tuple[int, int]]:
         """Run one step; returns the (request id, token) pairs sampled in it."""
         t0 = time.perf_counter()
-        plan, changes, order, admit = self._plan()
+        plan, changes, order, admit, decoding, running = self._plan()
         if not order and changes is None:
             return []
         t_dispatch = time.perf_counter()
@@ -269,43 +276,66 @@ class Engine:
             self.stats.device_seconds += t - t_dispatch
             self.stats.seconds += t - t0
             return []
-        tokens = int(plan.want.sum())
-        static = next(s for s in self.statics if s.token_budget >= tokens)
-        self.state, out = _STEP(static, self.params, self.state, plan)
-        self.stats.bucket_steps[static.token_budget] = self.stats.bucket_steps.get(static.token_budget, 0) + 1
-        self.stats.host_to_device_bytes += _nbytes(plan)
-        self.last_output = out  # stays on the device; the host reads only its report
-        ok, n, hit, sampled, tokens = np.asarray(out.report)
+        # A decode step whose requests the last report found idle runs the lean program (checked there:
+        # if a block would move after all, it applies nothing and the full step runs).
+        slots = plan.slots[:len(order)].tolist()
+        lean = (decoding == len(order) and changes is None and self.vectorised
+                and self._idle_next.issuperset(slots))
+        ok, n, hit, sampled, tokens, idle_next = self._run(plan, lean).tolist()
         self.stats.device_seconds += time.perf_counter() - t_dispatch
-        self.stats.device_to_host += 1
+        self._idle_next = {slot for slot, idle in zip(slots, idle_next) if idle}
         events = []
         refused = []
+        stats = self.stats
         for i, rid in enumerate(order):
             r = self.requests[rid]
             if not ok[i]:
                 refused.append((rid, int(plan.want[i])))
                 continue
-            if rid in self.waiting:
+            if i >= running:  # a waiting request starts running
                 self.waiting.remove(rid)
                 self.running.append(rid)
-                r.cache_hit = int(hit[i])
-                self.stats.cache_hit_tokens += int(hit[i])
-                self.stats.prompt_tokens += r.total
-            r.computed += int(hit[i]) + int(n[i])
-            self.stats.tokens_computed += int(n[i])
+                r.cache_hit = hit[i]
+                stats.cache_hit_tokens += hit[i]
+                stats.prompt_tokens += r.total
+            r.computed += hit[i] + n[i]
+            stats.tokens_computed += n[i]
             if sampled[i]:
-                r.generated.append(int(tokens[i]))
-                events.append((rid, int(tokens[i])))
-                self.stats.generated += 1
-                if r.done:
+                r.generated.append(tokens[i])
+                events.append((rid, tokens[i]))
+                if len(r.generated) >= r.max_new_tokens:
                     self.running.remove(rid)
                     self._to_free.append(r.slot)
                     r.slot = -1
+        stats.generated += len(events)
         if refused:
             self._handle_refusals(refused)
-        self.stats.steps += 1
-        self.stats.seconds += time.perf_counter() - t0
+        stats.steps += 1
+        stats.seconds += time.perf_counter() - t0
         return events
+
+    def _run(self, plan: StepPlan, lean: bool) -> np.ndarray:
+        """The step program(s) for ``plan`` (the lean one first when ``lean``): the report read back."""
+        tokens = int(plan.want.sum())
+        bucket = next(i for i, s in enumerate(self.statics) if s.token_budget >= tokens)
+        for static in ([self._lean[bucket]] if lean else []) + [self.statics[bucket]]:
+            if static.lean:  # it reads and writes neither the block pool nor the prefix cache: not passed
+                kept = self.state.alloc
+                part = replace(self.state, alloc=replace(kept, bp=None, step_cached=None))
+                part, out = _STEP(static, self.params, part, plan)
+                self.state = replace(part, alloc=replace(part.alloc, bp=kept.bp, step_cached=kept.step_cached))
+            else:
+                self.state, out = _STEP(static, self.params, self.state, plan)
+            self.stats.host_to_device_bytes += _nbytes(plan)
+            self.stats.device_to_host += 1
+            report = np.asarray(out.report)
+            if report[0].any() or not static.lean:
+                break
+            self.stats.lean_misses += 1
+        key = ("lean " if static.lean else "") + str(static.token_budget)
+        self.stats.bucket_steps[key] = self.stats.bucket_steps.get(key, 0) + 1
+        self.last_output = out  # stays on the device; the host reads only its report
+        return report
 
     def _handle_refusals(self, refused: list[tuple[int, int]]) -> None:
         """vLLM's policy: a refused running request preempts the latest admitted running one (itself,

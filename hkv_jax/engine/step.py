@@ -14,6 +14,10 @@ Two programs, both with the allocator state donated:
   where a token is sampled, samples (greedy without a sort; temperature +
   top-p), and appends the sampled tokens.
 
+A decode step where no request takes, fills or releases a block (most decode steps: each report
+says which requests' next decode is such) runs a lean variant of the step (``StepStatic.lean``):
+the allocator only counts the tokens, with no conditional in the program.
+
 The allocator runs vectorised (``StepStatic.vectorised``, the default): the plan
 lists decoding requests first (``decode_step``), then running requests that
 compute a chunk (``schedule_batch`` over those lanes only), then waiting ones
@@ -31,10 +35,11 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hkv_jax.allocator import ops
-from hkv_jax.allocator.state import WAITING, AllocatorState, Layout
+from hkv_jax.allocator.state import WAITING, AllocatorState, Layout, hash_once
 from hkv_jax.attention import make_metadata
 from hkv_jax.cache import KVCache
 from kernels_pallas.reference import query_positions
@@ -71,28 +76,46 @@ class Changes:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepPlan:
-    """The host's decision for one step (fixed shapes; ``R`` request slots).
+    """The host's decision for one step, packed in one array (one transfer): ``data: i32[2R + 2]``.
 
-    ``slots: i32[R]`` requests to run in order (-1: padding) and ``want: i32[R]`` tokens each (0:
-    padding); the vectorised step wants decoding requests (``want == 1``, running) first, then other
-    running ones, then waiting ones. ``sampling: f32[2]`` temperature (0: greedy) and top-p.
+    ``slots`` (``data[:R]``): requests to run in order (-1: padding); ``want`` (``data[R:2R]``): tokens
+    each (0: padding); then temperature (0: greedy) and top-p as float32 bits. The vectorised step wants
+    decoding requests (``want == 1``, running) first, then other running ones, then waiting ones.
     """
 
-    slots: jax.Array
-    want: jax.Array
-    sampling: jax.Array
+    data: jax.Array
+
+    @staticmethod
+    def pack(slots: np.ndarray, want: np.ndarray, temperature: float, top_p: float) -> "StepPlan":
+        """The plan of ``slots`` and ``want`` (``[R]`` each), on the host."""
+        sampling = np.array([temperature, top_p], np.float32).view(np.int32)
+        return StepPlan(np.concatenate([slots, want, sampling]).astype(np.int32))
+
+    @property
+    def slots(self):
+        return self.data[:(self.data.shape[0] - 2) // 2]
+
+    @property
+    def want(self):
+        return self.data[(self.data.shape[0] - 2) // 2:-2]
+
+    @property
+    def sampling(self) -> jax.Array:
+        """``f32[2]``: temperature, top-p (inside the step)."""
+        return jax.lax.bitcast_convert_type(self.data[-2:], jnp.float32)
 
 
 # Rows of ``StepOutput.report``.
-REPORT_ROWS = ("ok", "num_new", "cache_hit", "sampled", "tokens")
+REPORT_ROWS = ("ok", "num_new", "cache_hit", "sampled", "tokens", "idle_next")
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepOutput:
-    """Per entry of ``StepPlan.slots``: ``report: i32[5, R]`` (rows ``REPORT_ROWS``: allocated, new
-    tokens computed, cache-hit tokens, whether a token was sampled, the token or -1) and ``logits:
-    f32[R, vocab]`` at each entry's last computed position (left on the device)."""
+    """Per entry of ``StepPlan.slots``: ``report: i32[6, R]`` (rows ``REPORT_ROWS``: allocated, new
+    tokens computed, cache-hit tokens, whether a token was sampled, the token or -1, and whether the
+    request's next decode step would only count its token) and ``logits: f32[R, vocab]`` at each
+    entry's last computed position (left on the device)."""
 
     report: jax.Array
     logits: jax.Array
@@ -104,14 +127,22 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class StepStatic:
-    """The static part of a step (jit cache key): model graph, allocator layout, token budget, kernel,
-    and whether the allocator runs vectorised."""
+    """The static part of a step (jit cache key): model graph and the tree structure of its parameters
+    (the step takes them as a flat list, which jit flattens in C++; an ``nnx.State`` is flattened in
+    Python on every call), allocator layout, token budget (the bucket), kernel, whether the allocator
+    runs vectorised, and ``lean``: the program for decode steps where no block moves (the allocator
+    only counts tokens, ``ops.count_if_idle``; if a lane would move a block it applies nothing and
+    reports no lane allocated)."""
+
+    __hash__ = hash_once
 
     graphdef: nnx.GraphDef
+    params_def: jax.tree_util.PyTreeDef
     layout: Layout
     token_budget: int
     impl: str = "auto"
     vectorised: bool = True
+    lean: bool = False
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -216,13 +247,19 @@ def _schedule_vectorised(layout: Layout, alloc: AllocatorState, slots, want):
     return alloc, ok, n, hit
 
 
-def step(static: StepStatic, params: nnx.State, state: EngineState, plan: StepPlan):
-    """One serving step (jit with ``static`` static and ``state`` donated): ``(state, StepOutput)``."""
+def step(static: StepStatic, params: list[jax.Array], state: EngineState, plan: StepPlan):
+    """One serving step (jit with ``static`` static and ``state`` donated): ``(state, StepOutput)``.
+    ``params``: the model's parameters as the leaves of ``static.params_def``."""
     layout, budget = static.layout, static.token_budget
-    slot_of = jnp.maximum(plan.slots, 0)
-    alloc = ops.new_step(layout, state.alloc)
-    schedule = _schedule_vectorised if static.vectorised else _schedule_sequential
-    alloc, ok, n, hit = schedule(layout, alloc, slot_of, plan.want)
+    slot_of, active = jnp.maximum(plan.slots, 0), plan.want > 0
+    if static.lean:
+        alloc, lane_idle = ops.count_if_idle(layout, state.alloc, slot_of, active)
+        ok = active & jnp.all(lane_idle | ~active)
+        n, hit = ok.astype(jnp.int32), jnp.zeros_like(slot_of)
+    else:
+        alloc = ops.new_step(layout, state.alloc)
+        schedule = _schedule_vectorised if static.vectorised else _schedule_sequential
+        alloc, ok, n, hit = schedule(layout, alloc, slot_of, plan.want)
     n = jnp.where(ok, n, 0)
     start = jnp.where(ok, alloc.num_computed[slot_of] - n, 0)
 
@@ -233,12 +270,14 @@ def step(static: StepStatic, params: nnx.State, state: EngineState, plan: StepPl
     tokens = jnp.where(valid, alloc.tokens[slot_of[seq], jnp.minimum(pos, layout.max_model_len - 1)], 0)
     tables = alloc.tables[slot_of]                                          # [R, G, M]
     metadata = make_metadata(state.cache, layout.config_tables(tables), qsl, seq_lens, budget)
-    model = nnx.merge(static.graphdef, params)
+    model = nnx.merge(static.graphdef, jax.tree.unflatten(static.params_def, params))
     logits, cache = model.paged(tokens, jnp.where(valid, pos, 0), state.cache, metadata, static.impl,
                                 sample_at=jnp.maximum(qsl[1:] - 1, 0))       # [R, V]
 
     do_sample = ok & (seq_lens == alloc.num_tokens[slot_of])
     key, sub = jax.random.split(state.key)
+    if static.lean:  # a lean step that applied nothing leaves everything as it was, the key too
+        key = jnp.where(jnp.any(ok), key, state.key)
     new_tokens = sample(logits, sub, plan.sampling[0], plan.sampling[1])
     if static.vectorised:
         alloc = ops.append_batch(layout, alloc, slot_of, new_tokens, do_sample)
@@ -248,7 +287,8 @@ def step(static: StepStatic, params: nnx.State, state: EngineState, plan: StepPl
             return jax.lax.cond(go, lambda b: ops.append_token(layout, b, slot, tok), lambda b: b, a), None
 
         alloc = jax.lax.scan(append, alloc, (slot_of, new_tokens, do_sample))[0]
+    _, idle_next = ops.count_if_idle(layout, alloc, slot_of, do_sample)
     report = jnp.stack([ok.astype(jnp.int32), n, jnp.where(ok, hit, 0), do_sample.astype(jnp.int32),
-                        jnp.where(do_sample, new_tokens, -1)])
+                        jnp.where(do_sample, new_tokens, -1), idle_next.astype(jnp.int32)])
     return EngineState(alloc, cache, key), StepOutput(report=report, logits=logits)
 
