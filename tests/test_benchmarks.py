@@ -43,3 +43,19 @@ def test_allocator_benchmark_runs_both_decode_paths_and_reruns_with_hugepages():
     assert row["prefill_vectorised"] and row["malloc_hugepages"]
     assert sum(row["decode_paths"]) == 32 and row["decode_paths"][0] > 0 and row["decode_paths"][3] == 0
     assert row["decode_step_us"] > 0 and row["prefill_us_per_request"] > 0
+
+
+def test_engine_benchmark_runs_both_paths_against_the_allocator_benchmark():
+    # 4 requests of one hybrid model through the engine (vectorised and per-request allocator), with
+    # allocator_step.py's figures for the same workload alongside.
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/engine_step.py"), "--models", "gptoss",
+                           "--batch", "4", "--decode", "4", "--repeats", "1", "--json"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)["steps"]
+    assert [r["path"] for r in rows] == ["new", "old"]
+    for r in rows:
+        assert r["decode_step_us"] > 0 and r["prefill_us_per_request"] > 0 and r["alloc_decode_us"] > 0
+        assert r["floor_us"] > 0 and r["decode_host_us"] >= 0
+    assert any(k.startswith("lean") for k in rows[0]["programs"])  # the decode fast path ran
+    assert not any(k.startswith("lean") for k in rows[1]["programs"])
