@@ -3,7 +3,11 @@
 Shapes and conventions: ``reference.py``. Implementations (``impl``):
 
 ``reference``
-    Dense pure jnp (gathers whole block tables); the oracle, and the CPU/TPU path.
+    Dense pure jnp (gathers every token's whole block table at once); the oracle.
+``blocked``
+    Pure jnp, a loop over block-table columns with an online softmax
+    (``blocked.py``): the reference's results without its per-token copies of
+    the KV; the CPU/TPU path.
 ``triton``
     The portable Pallas kernels (``paged_attention_portable.py``,
     ``kv_write_portable.py``); Triton on GPUs before Hopper.
@@ -11,7 +15,7 @@ Shapes and conventions: ``reference.py``. Implementations (``impl``):
     The Hopper path (``paged_attention_mgpu.py``).
 ``auto``
     ``mosaic_gpu`` on a GPU of compute capability 9.x when the shapes suit it
-    (``paged_attention_mgpu.supported``), ``triton`` on other GPUs, ``reference``
+    (``paged_attention_mgpu.supported``), ``triton`` on other GPUs, ``blocked``
     elsewhere.
 
 ``interpret=True`` runs a Pallas implementation on CPU (tests).
@@ -21,20 +25,21 @@ from __future__ import annotations
 
 import jax
 
+from kernels_pallas import blocked
 from kernels_pallas import kv_write_portable as _kv_write
 from kernels_pallas import paged_attention_portable as _portable
 from kernels_pallas import paged_attention_mgpu as _mgpu
 from kernels_pallas import reference
 from kernels_pallas.reference import AttentionParams
 
-IMPLS = ("auto", "reference", "triton", "mosaic_gpu")
+IMPLS = ("auto", "reference", "blocked", "triton", "mosaic_gpu")
 
 
 def default_impl() -> str:
     """The implementation ``auto`` picks on the default device."""
     dev = jax.devices()[0]
     if dev.platform != "gpu":
-        return "reference"
+        return "blocked"
     cc = str(getattr(dev, "compute_capability", "0"))
     return "mosaic_gpu" if cc.startswith("9") else "triton"
 
@@ -56,6 +61,8 @@ def paged_attention(q, kv_pages, block_tables, query_start_loc, seq_lens, params
     args = (q, kv_pages, block_tables, query_start_loc, seq_lens, params, sinks)
     if impl == "reference":
         return reference.paged_attention(*args)
+    if impl == "blocked":
+        return blocked.paged_attention(*args)
     if impl == "mosaic_gpu":
         return _mgpu.paged_attention(*args, interpret=interpret)
     return _portable.paged_attention(*args, interpret=interpret)
@@ -67,9 +74,9 @@ def kv_write(kv_pages, k, v, slots, *, impl: str = "auto", interpret: bool = Fal
     The Hopper path uses the portable Pallas write: a scatter of a few rows per
     token is bound by memory latency, not by the instructions that issue it.
     """
-    if _resolve(impl) == "reference":
+    if _resolve(impl) in ("reference", "blocked"):
         return reference.kv_write(kv_pages, k, v, slots)
     return _kv_write.kv_write(kv_pages, k, v, slots, interpret=interpret)
 
 
-__all__ = ["AttentionParams", "IMPLS", "default_impl", "kv_write", "paged_attention", "reference"]
+__all__ = ["AttentionParams", "IMPLS", "blocked", "default_impl", "kv_write", "paged_attention", "reference"]

@@ -65,38 +65,34 @@ def key_mask(q_pos: jax.Array, k_pos: jax.Array, params: AttentionParams) -> jax
     return ok
 
 
-def softmax_attention(logits: jax.Array, mask: jax.Array, v: jax.Array,
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, params: AttentionParams,
                       sinks: jax.Array | None) -> jax.Array:
-    """``softmax(logits) @ v`` over the last axis of ``logits`` with masked keys removed.
+    """``softmax(q k^T) v`` over the keys each query may see, with GQA by grouping (no repeated K/V).
 
-    ``logits: f32[..., H, K]``, ``mask: bool[..., 1 or H, K]``, ``v: [..., K, H, D]``
-    (masked rows of ``v`` may hold anything, NaN included). ``sinks: f32[H]`` adds
-    one extra logit per head to the denominator (gpt-oss). A query that sees no
-    key gets zeros.
+    ``q: [..., Hq, D]``, ``k, v: [..., K, Hkv, D]``, ``mask: bool[..., K]`` (masked rows of ``v`` may hold
+    anything, NaN included). ``sinks: f32[Hq]`` adds one extra logit per head to the denominator
+    (gpt-oss). A query that sees no key gets zeros. Returns ``f32[..., Hq, D]``.
     """
-    logits = jnp.where(mask, logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    if sinks is not None:
-        m = jnp.maximum(m, sinks[:, None].astype(jnp.float32))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(mask, jnp.exp(logits - m), 0.0)
-    denom = p.sum(-1, keepdims=True)
-    if sinks is not None:
-        denom = denom + jnp.exp(sinks[:, None].astype(jnp.float32) - m)
-    v = jnp.where(jnp.moveaxis(mask, -1, -2)[..., None], v, 0)  # 0 * NaN would leak stale data
-    out = jnp.einsum("...hk,...khd->...hd", p, v.astype(jnp.float32))
-    return out / jnp.where(denom > 0, denom, 1.0)
-
-
-def _logits(q: jax.Array, k: jax.Array, params: AttentionParams) -> jax.Array:
-    """``f32[..., Hq, K]`` logits of ``q: [..., Hq, D]`` against ``k: [..., K, Hkv, D]`` (GQA)."""
-    hq, hkv = q.shape[-2], k.shape[-2]
-    k = jnp.repeat(k, hq // hkv, axis=-2)
-    s = jnp.einsum("...hd,...khd->...hk", q.astype(jnp.float32), k.astype(jnp.float32))
-    s = s * params.scale(q.shape[-1])
+    hq, d = q.shape[-2:]
+    hkv = k.shape[-2]
+    qg = q.reshape(*q.shape[:-2], hkv, hq // hkv, d).astype(jnp.float32)
+    s = jnp.einsum("...kgd,...nkd->...kgn", qg, k.astype(jnp.float32)) * params.scale(d)
     if params.soft_cap is not None:
         s = params.soft_cap * jnp.tanh(s / params.soft_cap)
-    return s
+    seen = mask[..., None, None, :]
+    s = jnp.where(seen, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    if sinks is not None:
+        sinks = sinks.reshape(hkv, hq // hkv, 1).astype(jnp.float32)
+        m = jnp.maximum(m, sinks)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(seen, jnp.exp(s - m), 0.0)
+    denom = p.sum(-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks - m)
+    v = jnp.where(mask[..., None, None], v, 0)  # 0 * NaN would leak stale data
+    out = jnp.einsum("...kgn,...nkd->...kgd", p, v.astype(jnp.float32)) / jnp.where(denom > 0, denom, 1.0)
+    return out.reshape(*q.shape[:-2], hq, d)
 
 
 def token_sequences(query_start_loc: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -131,12 +127,9 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     seq, q_pos, valid = query_positions(query_start_loc, seq_lens, num_tokens)
     pages = kv_pages[block_tables[seq]]                       # [T, M, 2, Hkv, bs, D]
     pages = jnp.moveaxis(pages, 4, 2).reshape(num_tokens, -1, 2, hkv, d)  # [T, M*bs, 2, Hkv, D]
-    k_pos = jnp.arange(pages.shape[1])[None, None, :]
-    mask = key_mask(q_pos[:, None, None], k_pos, params) & valid[:, None, None]
-    mask &= k_pos < seq_lens[seq][:, None, None]
-    logits = _logits(q, pages[:, :, 0], params)               # [T, Hq, M*bs]
-    v = jnp.repeat(pages[:, :, 1], hq // hkv, axis=2)          # [T, M*bs, Hq, D]
-    return softmax_attention(logits, mask, v, sinks).astype(q.dtype)
+    k_pos = jnp.arange(pages.shape[1])[None, :]
+    mask = key_mask(q_pos[:, None], k_pos, params) & valid[:, None] & (k_pos < seq_lens[seq][:, None])
+    return grouped_attention(q, pages[:, :, 0], pages[:, :, 1], mask, params, sinks).astype(q.dtype)
 
 
 @jax.jit

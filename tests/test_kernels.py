@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kernels_pallas import blocked
 from kernels_pallas import kv_write_portable as kv_write_pallas
 from kernels_pallas import paged_attention_portable as portable
 from kernels_pallas import paged_attention_mgpu as mgpu
@@ -121,6 +122,12 @@ def test_reference_equals_dense_attention(case):
     check(run(reference.paged_attention, case), case)
 
 
+@settings(max_examples=15, **SETTINGS)
+@given(cases())
+def test_blocked_loop_equals_dense_attention(case):
+    check(run(blocked.paged_attention, case), case)
+
+
 @settings(max_examples=12, **SETTINGS)
 @given(cases())
 def test_portable_kernel_equals_dense_attention(case):
@@ -185,7 +192,7 @@ def test_triton_kernels_lower_for_cuda_without_a_gpu():
 def test_dispatch_picks_by_platform_and_refuses_unknown_impls():
     import kernels_pallas
 
-    assert kernels_pallas.default_impl() == "reference"  # this suite runs on CPU
+    assert kernels_pallas.default_impl() == "blocked"  # this suite runs on CPU
     q = jnp.ones((2, 2, 64), jnp.float32)
     pages = jnp.ones((3, 2, 1, 8, 64), jnp.float32)
     args = (q, pages, jnp.array([[1], [2]]), jnp.array([0, 1, 2]), jnp.array([1, 1]), AttentionParams())
