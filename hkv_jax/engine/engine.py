@@ -70,6 +70,7 @@ class Request:
     preemptions: int = 0
     salt: int = 0               # cache salt: requests hit only blocks cached under the same salt
     max_chunk: int = 1 << 30    # lowered when even alone it could not get blocks for a chunk
+    stop: tuple[int, ...] = ()  # tokens that end it (EOS); included in ``generated``
 
     @property
     def total(self) -> int:
@@ -78,8 +79,8 @@ class Request:
 
     @property
     def done(self) -> bool:
-        """Whether it produced all its tokens."""
-        return len(self.generated) >= self.max_new_tokens
+        """Whether it produced all its tokens or a stop token."""
+        return len(self.generated) >= self.max_new_tokens or (bool(self.generated) and self.generated[-1] in self.stop)
 
 
 @dataclass
@@ -155,12 +156,14 @@ class Engine:
         self.prefix_caching = prefix_caching
         self._admissions = 0
         self._hold_admissions = False
-        self.last_output = None
+        self.last_output = None  # the last step's StepOutput, on the device
+        self.last_rows: dict[int, int] = {}  # request id -> its row in last_output.logits
 
     # --- requests -------------------------------------------------------------------------
 
-    def add_request(self, prompt, max_new_tokens: int) -> int:
-        """Queue a request; returns its id. Raises ``ValueError`` when it cannot fit ``max_model_len``."""
+    def add_request(self, prompt, max_new_tokens: int, stop: tuple[int, ...] = ()) -> int:
+        """Queue a request; returns its id. It ends after ``max_new_tokens`` or at a token in ``stop``
+        (e.g. the model's EOS ids). Raises ``ValueError`` when it cannot fit ``max_model_len``."""
         prompt = [int(t) for t in prompt]
         if not prompt or max_new_tokens < 1:
             raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
@@ -171,7 +174,7 @@ class Engine:
                              f"max_model_len {self.layout.max_model_len}")
         rid = self._next_id
         self._next_id += 1
-        self.requests[rid] = Request(rid, prompt, max_new_tokens)
+        self.requests[rid] = Request(rid, prompt, max_new_tokens, stop=tuple(int(t) for t in stop))
         self.waiting.append(rid)
         return rid
 
@@ -282,6 +285,7 @@ class Engine:
         lean = (decoding == len(order) and changes is None and self.vectorised
                 and self._idle_next.issuperset(slots))
         ok, n, hit, sampled, tokens, idle_next = self._run(plan, lean).tolist()
+        self.last_rows = {rid: i for i, rid in enumerate(order)}
         self.stats.device_seconds += time.perf_counter() - t_dispatch
         self._idle_next = {slot for slot, idle in zip(slots, idle_next) if idle}
         events = []
@@ -303,7 +307,7 @@ class Engine:
             if sampled[i]:
                 r.generated.append(tokens[i])
                 events.append((rid, tokens[i]))
-                if len(r.generated) >= r.max_new_tokens:
+                if r.done:
                     self.running.remove(rid)
                     self._to_free.append(r.slot)
                     r.slot = -1

@@ -95,12 +95,13 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def dense_attention(q, k, v, *, window, chunk, soft_cap, sinks) -> jax.Array:
-    """Causal attention over one whole sequence, ``q: [L, Hq, D]``, ``k, v: [L, Hkv, D]`` (the oracle path)."""
+def dense_attention(q, k, v, *, window, chunk, soft_cap, sinks, scale: float | None = None) -> jax.Array:
+    """Causal attention over one whole sequence, ``q: [L, Hq, D]``, ``k, v: [L, Hkv, D]`` (the oracle path);
+    scores scaled by ``scale`` (default ``D ** -0.5``)."""
     length, hq, d = q.shape
     rep = hq // k.shape[1]
     k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
-    s = jnp.einsum("qhd,khd->hqk", q, k) * d ** -0.5
+    s = jnp.einsum("qhd,khd->hqk", q, k) * (d ** -0.5 if scale is None else scale)
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     i, j = jnp.arange(length)[:, None], jnp.arange(length)[None, :]

@@ -1,0 +1,88 @@
+"""``hkv generate``: stream one real model's greedy (or sampled) continuation of a prompt.
+
+Loads the model (progress bar), sizes a one-request engine for the prompt plus
+``max_new_tokens``, shows the chunked prefill's progress, then prints the text
+as it is generated, stopping at the model's end-of-turn / EOS tokens.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+from hkv_jax.engine import Engine
+from hkv_jax.models.pretrained import load_pretrained
+from hkv_jax.planner import plan
+
+CHAT_TEMPLATE = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """What ``hkv generate`` runs."""
+
+    model: str = "gemma-3-270m"
+    max_new_tokens: int = 64
+    chat: bool = True
+    temperature: float = 0.0
+    top_p: float = 1.0
+    block_size: int = 16
+    token_budget: int = 256
+    kv_dtype: str = "float32"
+    seed: int = 0
+
+
+def engine_for(model, max_model_len: int, *, max_requests: int = 1, block_size: int = 16,
+               token_budget: int = 256, seed: int = 0, num_blocks: int | None = None, **kwargs) -> Engine:
+    """An engine for ``model`` whose pool (unless ``num_blocks`` is given) holds ``max_requests`` requests of
+    ``max_model_len`` tokens, counting a sliding window's extra blocks during a prefill chunk."""
+    if num_blocks is None:
+        per_request = plan(model.cfg.layers, block_size=block_size, num_blocks=2).blocks_per_request(
+            max_model_len + token_budget)
+        num_blocks = 1 + max_requests * per_request
+    return Engine(model, num_blocks=num_blocks, block_size=block_size,
+                  max_requests=max_requests, max_model_len=max_model_len, token_budget=token_budget,
+                  seed=seed, **kwargs)
+
+
+def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progress: bool = True) -> dict:
+    """Stream the continuation of ``prompt`` to ``out``; returns ids, text and timings."""
+    if cfg.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be positive, got {cfg.max_new_tokens}")
+    t0 = time.perf_counter()
+    model, codec = load_pretrained(cfg.model, kv_dtype=cfg.kv_dtype, progress=progress)
+    ids = codec.encode(CHAT_TEMPLATE.format(prompt) if cfg.chat else prompt)
+    engine = engine_for(model, len(ids) + cfg.max_new_tokens, block_size=cfg.block_size,
+                        token_budget=cfg.token_budget, seed=cfg.seed)
+    engine.temperature, engine.top_p = cfg.temperature, cfg.top_p
+    rid = engine.add_request(ids, cfg.max_new_tokens, stop=codec.eos_ids)
+    load_s = time.perf_counter() - t0
+    req = engine.requests[rid]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(ids), desc="prefill (first steps compile)", unit="tok", leave=False)
+    shown, t_first = "", None
+    while engine.has_work:
+        events = engine.step()
+        if bar is not None:
+            bar.update(min(req.computed, len(ids)) - bar.n)
+        if events:
+            if t_first is None:
+                t_first = time.perf_counter()
+                if bar is not None:
+                    bar.close()
+                    bar = None
+            text = codec.decode([t for t in req.generated if t not in codec.eos_ids])
+            if not text.endswith("\ufffd"):  # a multi-byte character still incomplete
+                out.write(text[len(shown):])
+                out.flush()
+                shown = text
+    out.write(codec.decode([t for t in req.generated if t not in codec.eos_ids])[len(shown):] + "\n")
+    done = time.perf_counter()
+    decode_s = done - (t_first or done)
+    return {"prompt_tokens": len(ids), "generated": req.generated, "text": codec.decode(req.generated),
+            "load_seconds": round(load_s, 2), "seconds_to_first_token": round((t_first or done) - t0 - load_s, 2),
+            "decode_tokens_per_s": round((len(req.generated) - 1) / decode_s, 2) if decode_s > 0 else None}
