@@ -193,6 +193,7 @@ def main(argv=None) -> int:
                 row.update(alloc_decode_us=ref["decode_step_us"], alloc_prefill_us_per_request=ref["prefill_us_per_request"],
                            decode_device_vs_alloc=round(row["decode_device_us"] / ref["decode_step_us"], 2))
                 rows.append(row)
+                print("    " + json.dumps(row), file=sys.stderr, flush=True)  # kept if a later row fails
         for b in map(int, filter(None, a.model_share.split(","))):
             print(f"... {m} B={b} model share", file=sys.stderr, flush=True)
             shares.append(model_share(m, b, min(a.decode, 8)))

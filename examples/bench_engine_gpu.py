@@ -1,4 +1,4 @@
-"""End-to-end serving step time (one jitted program per step) for the tiny models, on any backend.
+"""End-to-end serving step time (the engine's step programs: full and lean decode) for the tiny models, on any backend.
 
 Runs the `hkv demo` workload per model and prints the median step time after warm-up and the
 throughput. On a GPU the kernels are Mosaic GPU (Hopper) or Triton; elsewhere the jnp reference.
