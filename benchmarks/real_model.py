@@ -26,6 +26,7 @@ Run: ``python benchmarks/real_model.py [--concurrency 1,8,32] [--prompt-tokens 1
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -42,6 +43,7 @@ from hkv_jax.models.pretrained import load_pretrained, pretrained_path
 from hkv_jax.planner import plan
 from hkv_jax.spec import FullAttentionSpec
 
+_QUIET = None
 _TOPICS = ("rivers", "bridges", "bees", "glaciers", "lighthouses", "violins", "deserts", "comets")
 
 
@@ -81,6 +83,9 @@ def llama_cpp_run(path: str, batch: list[list[int]], new_tokens: int, threads: i
         import llama_cpp as L
     except ImportError:
         return None
+    global _QUIET
+    _QUIET = L.llama_log_callback(lambda level, text, data: None)  # kept alive: llama.cpp holds the pointer
+    L.llama_log_set(_QUIET, ctypes.c_void_p())
     L.llama_backend_init()
     mparams = L.llama_model_default_params()
     model = L.llama_model_load_from_file(path.encode(), mparams)

@@ -7,11 +7,10 @@ import os
 from pathlib import Path
 
 # The suite's time goes mostly to XLA compiles of small programs: compile them at LLVM -O0 (results are
-# the same; the programs run a little slower), and keep them in JAX's persistent compilation cache, which
-# both pytest-xdist workers share (an engine configuration used by tests on both compiles once) and a
-# second run reuses. Set before jax is imported; subprocesses inherit both.
+# the same; the programs run a little slower). Set before jax is imported; subprocesses inherit it. No
+# persistent compilation cache: writing one segfaulted a worker inside jaxlib's executable serialization
+# (jax 0.12.0.1, CPU) on a clean-clone run, and a fresh clone gains little from it.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax"))
 
 import numpy as np
 import pytest
