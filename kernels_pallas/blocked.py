@@ -20,17 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.ragged import first_visible_key
 from kernels_pallas.reference import AttentionParams, key_mask, query_positions
-
-
-def _first_visible(q_pos: jax.Array, params: AttentionParams) -> jax.Array:
-    """The first key position each query may see."""
-    first = jnp.zeros_like(q_pos)
-    if params.sliding_window is not None:
-        first = jnp.maximum(first, q_pos - params.sliding_window + 1)
-    if params.chunk_size is not None:
-        first = jnp.maximum(first, q_pos // params.chunk_size * params.chunk_size)
-    return first
 
 
 @functools.partial(jax.jit, static_argnames=("params",))
@@ -45,7 +36,7 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array, 
     tables = block_tables[seq]                                     # [T, M]
     lens = seq_lens[seq]
     qg = q.reshape(num_tokens, hkv, g, d).astype(jnp.float32) * params.scale(d)
-    lo = jnp.min(jnp.where(valid, _first_visible(q_pos, params) // bs, max_blocks))
+    lo = jnp.min(jnp.where(valid, first_visible_key(q_pos, params) // bs, max_blocks))
     hi = jnp.minimum(jnp.max(jnp.where(valid, q_pos // bs + 1, 0)), max_blocks)
 
     def column(j, carry):

@@ -26,7 +26,7 @@ from flax import nnx
 from hkv_jax.attention import AttentionMetadata, attention
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
-from hkv_jax.models.tiny import dense_attention, rope
+from hkv_jax.models.tiny import capped, dense_attention, rope
 from hkv_jax.spec import AttentionSpec, LayerSpec, SlidingWindowSpec
 
 
@@ -188,9 +188,7 @@ class Gemma3LM(nnx.Module):
         return x * jnp.asarray(math.sqrt(self.cfg.hidden_size), x.dtype)
 
     def _logits(self, x):
-        logits = self.embed_tokens.attend(self.norm(x)).astype(jnp.float32)
-        cap = self.cfg.final_soft_cap
-        return logits if cap is None else cap * jnp.tanh(logits / cap)
+        return capped(self.embed_tokens.attend(self.norm(x)).astype(jnp.float32), self.cfg.final_soft_cap)
 
     def dense(self, tokens: jax.Array) -> jax.Array:
         """Logits ``f32[L, vocab]`` of one whole sequence, without any cache."""

@@ -85,6 +85,11 @@ class TinyConfig:
                 spec.attention_chunk_size if isinstance(spec, ChunkedLocalSpec) else None)
 
 
+def capped(x: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(x / cap)`` (Gemma 2's logit soft-capping); ``x`` itself when ``cap`` is ``None``."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotary embedding of ``x: [T, H, D]`` at ``positions: i32[T]`` (half-split convention)."""
     half = x.shape[-1] // 2
@@ -102,8 +107,7 @@ def dense_attention(q, k, v, *, window, chunk, soft_cap, sinks, scale: float | N
     rep = hq // k.shape[1]
     k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
     s = jnp.einsum("qhd,khd->hqk", q, k) * (d ** -0.5 if scale is None else scale)
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = capped(s, soft_cap)
     i, j = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
     mask = j <= i
     if window is not None:
@@ -203,9 +207,7 @@ class TinyLM(nnx.Module):
         return self.embed(tokens) * math.sqrt(self.cfg.hidden_size)
 
     def _logits(self, x):
-        logits = self.embed.attend(self.norm(x))
-        cap = self.cfg.final_soft_cap
-        return logits if cap is None else cap * jnp.tanh(logits / cap)
+        return capped(self.embed.attend(self.norm(x)), self.cfg.final_soft_cap)
 
     def dense(self, tokens: jax.Array) -> jax.Array:
         """Logits ``f32[L, vocab]`` of one whole sequence, without any cache."""
