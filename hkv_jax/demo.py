@@ -26,7 +26,7 @@ from flax import nnx
 from hkv_jax.engine import Engine
 from hkv_jax.generate import engine_for
 from hkv_jax.models.presets import resolve_model
-from hkv_jax.models.pretrained import INSTALL_HINT, ModelNotInstalled, is_pretrained, load_pretrained
+from hkv_jax.models.pretrained import INSTALL_HINT, is_pretrained, load_pretrained
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 from hkv_jax.planner import cdiv, plan
 from hkv_jax.spec import MambaSpec
