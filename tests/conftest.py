@@ -8,8 +8,9 @@ from pathlib import Path
 
 # The suite's time goes mostly to XLA compiles of small programs: compile them at LLVM -O0 (results are
 # the same; the programs run a little slower). Set before jax is imported; subprocesses inherit it. No
-# persistent compilation cache: writing one segfaulted a worker inside jaxlib's executable serialization
-# (jax 0.12.0.1, CPU) on a clean-clone run, and a fresh clone gains little from it.
+# persistent compilation cache: a fresh clone gains little from it, and one clean-clone run segfaulted a
+# worker while writing it (jax 0.12.0.1, CPU; the worker had also compiled the 270M Gemma model at -O2 in
+# process, which the parity test now does in a subprocess).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import numpy as np
