@@ -7,11 +7,40 @@ import os
 from pathlib import Path
 
 # The suite's time goes mostly to XLA compiles of small programs: compile them at LLVM -O0 (results are
-# the same; the programs run a little slower). Set before jax is imported; subprocesses inherit it. No
-# persistent compilation cache: a fresh clone gains little from it, and one clean-clone run segfaulted a
-# worker while writing it (jax 0.12.0.1, CPU; the worker had also compiled the 270M Gemma model at -O2 in
-# process, which the parity test now does in a subprocess).
+# the same; the programs run a little slower). Set before jax is imported; subprocesses inherit it.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+
+def _preload_no_jit_eh_frames() -> None:
+    """Preload ``native/no_jit_eh_frames.c`` (why: its comment) into the xdist workers and every subprocess.
+
+    Three clean-clone runs lost a worker to that segfault, each after some hundred compiles. LD_PRELOAD acts
+    on processes started from here on: the workers (this runs in the controller before it starts them) and
+    the tests' subprocesses, not this process (``-n 0`` runs without it)."""
+    import hashlib
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    preload = os.environ.get("LD_PRELOAD", "")
+    if "hkv_no_jit_eh_frames" in preload or not sys.platform.startswith("linux"):
+        return
+    src = Path(__file__).with_name("native") / "no_jit_eh_frames.c"
+    so = Path(tempfile.gettempdir()) / f"hkv_no_jit_eh_frames_{hashlib.sha1(src.read_bytes()).hexdigest()[:12]}.so"
+    if not so.exists():
+        cc = shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            print("conftest: no C compiler; XLA's JIT unwind tables stay registered (see tests/native/)",
+                  file=sys.stderr)
+            return
+        tmp = so.with_suffix(f".{os.getpid()}.tmp")
+        subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(tmp), str(src)], check=True)
+        tmp.replace(so)
+    os.environ["LD_PRELOAD"] = f"{so}:{preload}" if preload else str(so)
+
+
+_preload_no_jit_eh_frames()
 
 import numpy as np
 import pytest
