@@ -15,9 +15,10 @@ from hkv_jax.models.tiny import TinyConfig, TinyLM
 
 MAX_LEN = 80  # the workload's longest request: 76 tokens
 # Pools small enough that the parity workload preempts (the groups differ per model). Without prefix
-# caching (a preempted request comes back under a new cache salt) for gemma3 only: the suite's time budget.
+# caching (a preempted request comes back under a new cache salt): Gemma 3 270M's parity test
+# (test_gemma3.py) serves it, with preemptions.
 PARITY_BLOCKS = {("tiny-gemma3", True): 44, ("tiny-gptoss", True): 14,
-                 ("tiny-llama4", True): 26, ("tiny-jamba", True): 28, ("tiny-gemma3", False): 42}
+                 ("tiny-llama4", True): 26, ("tiny-jamba", True): 28}
 # Generated tokens per request: tiny-llama4 preempts in the smallest pool that holds one request only
 # with 8 (its chunked-local groups hold few blocks).
 NEW_TOKENS = {"tiny-llama4": 8}
@@ -51,7 +52,15 @@ def workload(seed: int = 0, vocab: int = 256):
     return [system + [int(t) for t in rng.integers(0, vocab, k)] for k in (5, 12, 30, 3)]
 
 
-@pytest.mark.parametrize("name,prefix_caching", sorted(PARITY_BLOCKS))
+# Engines of the same sizes on one worker compile once: tiny-gemma3's parity engine and the fork test's;
+# tiny-gptoss's and the rollback and checkpoint tests' (their small pool preempts there too).
+SAME_SIZES = {"tiny-gemma3": pytest.mark.xdist_group("tiny-gemma3-parity-sizes"),
+              "tiny-gptoss": pytest.mark.xdist_group("tiny-gptoss-parity-sizes")}
+
+
+@pytest.mark.parametrize("name,prefix_caching", [
+    pytest.param(name, caching, marks=[SAME_SIZES[name]] if name in SAME_SIZES else [])
+    for name, caching in sorted(PARITY_BLOCKS)])
 def test_engine_generates_the_dense_models_tokens(name, prefix_caching):
     model = tiny(name)
     # A pool small enough that the run preempts; a token budget that chunks the prefills.
@@ -61,15 +70,21 @@ def test_engine_generates_the_dense_models_tokens(name, prefix_caching):
     prompts = workload()
     new = NEW_TOKENS.get(name, 6)
     ids = [eng.add_request(p, new) for p in prompts]
-    out = eng.run()
+    logits = {rid: [] for rid in ids}
+    while eng.has_work:
+        for rid, _ in eng.step():  # each token's logits row stays on the device until read here
+            logits[rid].append(np.asarray(eng.last_output.logits[eng.last_rows[rid]]))
+    out = {rid: r.generated for rid, r in eng.requests.items()}
     assert {str(s.token_budget) for s in eng.statics} <= set(eng.stats.bucket_steps)  # every bucket ran
     assert any(k.startswith("lean") for k in eng.stats.bucket_steps) and eng.stats.lean_misses == 0
     assert eng.stats.preemptions >= 1
     assert (eng.stats.cache_hit_tokens > 0) == prefix_caching
     assert eng.stats.device_to_host == eng.stats.steps  # one report read per step
     for rid, p in zip(ids, prompts):
-        want, _ = dense_greedy(model, p, new)
+        want, want_logits = dense_greedy(model, p, new)
         assert out[rid] == want, f"request {rid}"
+        np.testing.assert_allclose(np.stack(logits[rid]), np.stack(want_logits), atol=1e-4, rtol=1e-4,
+                                   err_msg=f"request {rid}")
     # Everything freed: every block is back in the free queue, no ref count left.
     assert int(eng.state.alloc.bp.pool.num_free) == eng.layout.num_blocks - 1
     assert not np.asarray(eng.state.alloc.bp.pool.ref_count).any()
@@ -79,20 +94,6 @@ def test_engine_generates_the_dense_models_tokens(name, prefix_caching):
         eng.add_request(p, new)
     eng.run()
     assert Engine.compilations() == compiled
-
-
-def test_engine_logits_match_the_dense_model():
-    model = tiny("tiny-gemma3")
-    eng = Engine(model, num_blocks=64, block_size=8, max_requests=4, max_model_len=MAX_LEN, token_budget=32,
-                 token_buckets=(32,), impl="reference")  # the fork test's sizes: one compilation for both
-    prompt = workload()[2]
-    eng.add_request(prompt, 3)
-    got = []
-    while eng.has_work:
-        if eng.step():
-            got.append(np.asarray(eng.last_output.logits[0]))  # on the device until read here
-    _, want = dense_greedy(model, prompt, 3)
-    np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-4, rtol=1e-4)
 
 
 def test_mamba_state_blocks_hold_the_dense_states_and_serve_hits():
@@ -153,9 +154,15 @@ def run_tokens(eng: Engine) -> dict[int, list[int]]:
     return {rid: list(toks) for rid, toks in eng.run().items()}
 
 
+def gptoss_engine(seed: int) -> Engine:
+    """tiny-gptoss at its parity test's sizes (``SAME_SIZES``)."""
+    return Engine(tiny("tiny-gptoss"), num_blocks=PARITY_BLOCKS["tiny-gptoss", True], block_size=8,
+                  max_requests=4, max_model_len=MAX_LEN, token_budget=32, impl="reference", seed=seed)
+
+
+@SAME_SIZES["tiny-gptoss"]
 def test_rollback_restores_generation_bit_exactly():
-    eng = Engine(tiny("tiny-gptoss"), num_blocks=64, block_size=8, max_requests=4, max_model_len=MAX_LEN,
-                 token_budget=32, token_buckets=(32,), impl="reference", seed=3)
+    eng = gptoss_engine(seed=3)
     eng.temperature, eng.top_p = 1.0, 0.9  # sampling: the PRNG key is part of the snapshot
     for p in workload(1)[:3]:
         eng.add_request(p, 8)
@@ -170,9 +177,10 @@ def test_rollback_restores_generation_bit_exactly():
     assert run_tokens(eng) == first
 
 
+@SAME_SIZES["tiny-gemma3"]
 def test_fork_shares_full_blocks_and_frees_them_once():
-    eng = Engine(tiny("tiny-gemma3"), num_blocks=64, block_size=8, max_requests=4, max_model_len=MAX_LEN,
-                 token_budget=32, token_buckets=(32,), impl="reference")
+    eng = Engine(tiny("tiny-gemma3"), num_blocks=PARITY_BLOCKS["tiny-gemma3", True], block_size=8, max_requests=4,
+                 max_model_len=MAX_LEN, token_budget=32, token_buckets=(32,), impl="reference")
     parent = eng.add_request(workload()[1], 6)
     eng.step()
     eng.step()  # prefill in two chunks (52 tokens: 6 full blocks) + first token
@@ -189,10 +197,10 @@ def test_fork_shares_full_blocks_and_frees_them_once():
     assert not ref.any() and int(eng.state.alloc.bp.pool.num_free) == eng.layout.num_blocks - 1
 
 
+@SAME_SIZES["tiny-gptoss"]
 def test_orbax_save_and_load_continue_generation_bit_exactly(tmp_path):
     def engine():
-        e = Engine(tiny("tiny-gptoss"), num_blocks=64, block_size=8, max_requests=4, max_model_len=MAX_LEN,
-                   token_budget=32, token_buckets=(32,), impl="reference", seed=5)  # the rollback test's sizes: one compilation
+        e = gptoss_engine(seed=5)
         e.temperature = 0.8
         return e
 
