@@ -14,9 +14,11 @@ Shapes and conventions: ``reference.py``. Implementations (``impl``):
 ``mosaic_gpu``
     The Hopper path (``paged_attention_mgpu.py``).
 ``auto``
-    ``mosaic_gpu`` on a GPU of compute capability 9.x when the shapes suit it
-    (``paged_attention_mgpu.supported``), ``triton`` on other GPUs, ``blocked``
-    elsewhere.
+    Per call, so per KV cache group, from the shapes (decided when the step is
+    traced): on a GPU of compute capability 9.x ``mosaic_gpu`` when
+    ``paged_attention_mgpu.supported`` takes the shapes, else ``triton`` when
+    ``paged_attention_portable.supported`` does, else ``blocked``; ``blocked``
+    off GPUs (``choose``).
 
 ``interpret=True`` runs a Pallas implementation on CPU (tests).
 """
@@ -35,37 +37,62 @@ from kernels_pallas.reference import AttentionParams
 IMPLS = ("auto", "reference", "blocked", "triton", "mosaic_gpu")
 
 
+HOPPER = ("H100", "H200", "H800", "H20")  # device kinds of compute capability 9.x
+
+
 def default_impl() -> str:
-    """The implementation ``auto`` picks on the default device."""
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
+    """The implementation ``auto`` prefers (shapes permitting: ``choose``) on the device programs are
+    built for: the abstract mesh's device while one is in use (lowering for a GPU from a CPU-only
+    machine), else the default device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    abstract = None if mesh.empty else mesh.abstract_device
+    if abstract is not None:
+        platform, hopper = abstract.platform, any(k in abstract.device_kind for k in HOPPER)
+    else:
+        dev = jax.devices()[0]
+        platform, hopper = dev.platform, str(getattr(dev, "compute_capability", "0")).startswith("9")
+    if platform != "gpu":
         return "blocked"
-    cc = str(getattr(dev, "compute_capability", "0"))
-    return "mosaic_gpu" if cc.startswith("9") else "triton"
+    return "mosaic_gpu" if hopper else "triton"
 
 
-def _resolve(impl: str) -> str:
+def choose(impl: str, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int, max_blocks: int = 0,
+           preferred: str | None = None) -> str:
+    """The implementation ``impl`` runs for these shapes: itself, or for ``auto`` the first of
+    ``mosaic_gpu -> triton -> blocked``, starting at ``preferred`` (default: ``default_impl()``), whose
+    ``supported`` takes them (``max_blocks``: the block table's width). Raises ``ValueError`` for an
+    unknown ``impl``."""
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(IMPLS)}")
-    return default_impl() if impl == "auto" else impl
+    if impl != "auto":
+        return impl
+    order = ("mosaic_gpu", "triton", "blocked")
+    for candidate in order[order.index(preferred or default_impl()):]:
+        # q is cast to the KV dtype for the Mosaic kernel (paged_attention): q's own dtype does not matter.
+        if candidate == "mosaic_gpu" and _mgpu.supported(kv_dtype, kv_pages_shape, kv_dtype, num_q_heads,
+                                                          max_blocks):
+            continue
+        if candidate == "triton" and _portable.supported(kv_pages_shape, num_q_heads):
+            continue
+        return candidate
+    raise AssertionError("blocked takes every shape")
 
 
 def paged_attention(q, kv_pages, block_tables, query_start_loc, seq_lens, params: AttentionParams,
                     sinks=None, *, impl: str = "auto", interpret: bool = False):
-    """Ragged paged attention with the chosen implementation (see ``reference.paged_attention``)."""
-    chosen = _resolve(impl)
-    if chosen == "mosaic_gpu" and impl == "auto" and _mgpu.supported(
-            q.dtype, kv_pages.shape, kv_pages.dtype, q.shape[1]):
-        chosen = "triton"
-    impl = chosen
-    args = (q, kv_pages, block_tables, query_start_loc, seq_lens, params, sinks)
-    if impl == "reference":
-        return reference.paged_attention(*args)
-    if impl == "blocked":
-        return blocked.paged_attention(*args)
+    """Ragged paged attention with the chosen implementation (see ``reference.paged_attention``).
+
+    The Mosaic GPU kernel multiplies in the KV dtype: q is cast to it, the output back to q's dtype.
+    """
+    impl = choose(impl, kv_pages.shape, kv_pages.dtype, q.shape[1], block_tables.shape[1])
+    args = (kv_pages, block_tables, query_start_loc, seq_lens, params, sinks)
     if impl == "mosaic_gpu":
-        return _mgpu.paged_attention(*args, interpret=interpret)
-    return _portable.paged_attention(*args, interpret=interpret)
+        return _mgpu.paged_attention(q.astype(kv_pages.dtype), *args, interpret=interpret).astype(q.dtype)
+    if impl == "reference":
+        return reference.paged_attention(q, *args)
+    if impl == "blocked":
+        return blocked.paged_attention(q, *args)
+    return _portable.paged_attention(q, *args, interpret=interpret)
 
 
 def kv_write(kv_pages, k, v, slots, *, impl: str = "auto", interpret: bool = False):
@@ -73,10 +100,19 @@ def kv_write(kv_pages, k, v, slots, *, impl: str = "auto", interpret: bool = Fal
 
     The Hopper path uses the portable Pallas write: a scatter of a few rows per
     token is bound by memory latency, not by the instructions that issue it.
+    ``auto`` uses it where the portable kernel takes the shapes, else the jnp
+    scatter.
     """
-    if _resolve(impl) in ("reference", "blocked"):
-        return reference.kv_write(kv_pages, k, v, slots)
-    return _kv_write.kv_write(kv_pages, k, v, slots, interpret=interpret)
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(IMPLS)}")
+    if impl == "auto":
+        kernel = default_impl() != "blocked" and _kv_write.supported(kv_pages.shape) is None
+    else:
+        kernel = impl in ("triton", "mosaic_gpu")
+    if kernel:
+        return _kv_write.kv_write(kv_pages, k, v, slots, interpret=interpret)
+    return reference.kv_write(kv_pages, k, v, slots)
 
 
-__all__ = ["AttentionParams", "IMPLS", "blocked", "default_impl", "kv_write", "paged_attention", "reference"]
+__all__ = ["AttentionParams", "IMPLS", "blocked", "choose", "default_impl", "kv_write", "paged_attention",
+           "reference"]

@@ -1,9 +1,10 @@
 """Scatter new K/V into a layer's pages, in place (Pallas; Triton on GPU, interpret on CPU).
 
-One program per token: it writes that token's K and V (all kv heads) at its
-slot; slot -1 (padding, or a position whose block is the null block) writes
-nothing. The page view is aliased to the output, so under jit with a donated
-cache the write happens in the buffer itself.
+One program per token and kv head: it writes that head's K and V rows
+(``head_size`` values each, so any number of kv heads lowers for Triton) at
+the token's slot; slot -1 (padding, or a position whose block is the null
+block) writes nothing. The page view is aliased to the output, so under jit
+with a donated cache the write happens in the buffer itself.
 """
 
 from __future__ import annotations
@@ -15,17 +16,25 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 
+def supported(kv_pages_shape: tuple[int, ...]) -> str | None:
+    """Why this kernel cannot write into pages of this shape (``None`` when it can)."""
+    d = kv_pages_shape[-1]
+    if d & (d - 1):
+        return f"head_size {d} (Triton rows need a power of 2)"
+    return None
+
+
 def _kernel(slots_ref, k_ref, v_ref, kv_in_ref, kv_ref):
     del kv_in_ref  # aliased to kv_ref
-    t = pl.program_id(0)
+    t, h = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[t]
     bs = kv_ref.shape[3]
 
     @pl.when(slot >= 0)
     def _():
         page, off = slot // bs, slot % bs
-        kv_ref[page, 0, :, off] = k_ref[...].astype(kv_ref.dtype)
-        kv_ref[page, 1, :, off] = v_ref[...].astype(kv_ref.dtype)
+        kv_ref[page, 0, h, off] = k_ref[...].astype(kv_ref.dtype)
+        kv_ref[page, 1, h, off] = v_ref[...].astype(kv_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -39,12 +48,15 @@ def kv_write(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, 
     num_tokens, hkv, d = k.shape
     if v.shape != k.shape or kv_pages.shape[2] != hkv or kv_pages.shape[4] != d:
         raise ValueError(f"k {k.shape} / v {v.shape} do not fit kv_pages {kv_pages.shape}")
-    whole = pl.BlockSpec(kv_pages.shape, lambda t: (0,) * 5)
-    token = pl.BlockSpec((None, hkv, d), lambda t: (t, 0, 0))
+    why = supported(kv_pages.shape)
+    if why:
+        raise ValueError(f"the portable KV write does not take {why}")
+    whole = pl.BlockSpec(kv_pages.shape, lambda t, h: (0,) * 5)
+    row = pl.BlockSpec((None, None, d), lambda t, h: (t, h, 0))
     return pl.pallas_call(
         _kernel,
-        grid=(num_tokens,),
-        in_specs=[pl.BlockSpec(slots.shape, lambda t: (0,)), token, token, whole],
+        grid=(num_tokens, hkv),
+        in_specs=[pl.BlockSpec(slots.shape, lambda t, h: (0,)), row, row, whole],
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype),
         input_output_aliases={3: 0},

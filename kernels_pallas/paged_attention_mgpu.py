@@ -6,23 +6,32 @@ products run on the tensor cores (``wgmma``):
 
 1. TMA copies of the item's metadata (row positions, first visible key of each
    row), its block-table row and its Q tile into shared memory;
-2. a loop over the visible pages only, double-buffered: the TMA copy of page
-   ``j + 1`` (K and V of one kv head, ``[block_size, head_size]`` each) is in
-   flight while page ``j`` is computed: ``S = Q K^T`` (wgmma), mask, online
-   softmax in registers, ``O += P V`` (wgmma);
+2. a loop over 64-key tiles of the visible keys, double-buffered: the TMA
+   copies of tile ``t + 1`` are in flight while tile ``t`` is computed:
+   ``S = Q K^T`` (wgmma), mask, online softmax in registers, ``O += P V``
+   (wgmma);
 3. ``O / l`` (with the sink) back to global memory.
 
-Limits (the dispatcher uses the portable kernel otherwise): bf16 or fp16 KV,
-``block_size`` a multiple of 16, ``head_size`` a multiple of 64, ``G`` dividing
-64. Unlike the portable kernel, V rows of a visible page that no query may
-see are not zeroed before ``P V``: they must be finite, which holds for a
-zero-initialised cache written only with finite K/V (pages no query sees,
-the null block included, are never read).
+A tile is 64 keys whatever the block size: ``P`` then has 128-byte rows, the
+swizzle the P.V wgmma needs (16- and 32-token pages gave 32- and 64-byte rows,
+which Mosaic GPU cannot lay out). A tile is filled by ``64 / chunk`` copies of
+``chunk = gcd(block_size, 64)`` rows, so any block size that is a multiple of 16
+works (80, 528 and 544 under the vllm policy with Mamba layers).
+
+Stale memory: a tile's keys outside the item's visible range (before the window,
+past the last position, or pages shared with Mamba states) may hold any bits,
+NaN and Inf included. Their scores are masked, and their V rows are zeroed in
+shared memory before ``P V`` (only the first and last tile can hold them).
+
+Limits (``supported``; the dispatcher falls back to the portable kernel): bf16 or
+fp16 KV equal to q's dtype, ``block_size`` a multiple of 16, ``head_size`` a
+multiple of 64, ``G`` dividing 64, shared memory within an H100/H200's 227 KiB.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +43,23 @@ from kernels_pallas.paged_attention_portable import MASK_VALUE
 from kernels_pallas.reference import AttentionParams
 
 ROWS = 64  # query rows per warpgroup: the wgmma M dimension
+KEYS = 64  # keys per loop iteration: P's rows are 128 bytes in bf16/fp16
+SMEM_BYTES = 232448  # an H100/H200 block's shared memory (227 KiB)
 
-# Item metadata columns (i32[I, META]).
-_SEQ, _PAGE_LO, _PAGE_HI, META = range(4)
+# Item metadata columns (i32[I, META]): the sequence, the visible keys [key_lo, key_hi).
+_SEQ, _KEY_LO, _KEY_HI, META = range(4)
 
 
-def supported(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int) -> str | None:
-    """Why this kernel cannot run the given shapes (``None`` when it can)."""
+def smem_bytes(head_size: int, max_blocks: int, itemsize: int = 2) -> int:
+    """Shared memory the kernel takes: Q, double-buffered K and V tiles, P, the table row, metadata."""
+    tiles = (ROWS + 4 * KEYS) * head_size * itemsize + ROWS * KEYS * itemsize
+    return tiles + 4 * (-(-max_blocks // 4) * 4) + 4 * (8 + 2 * ROWS + ROWS) + 64
+
+
+def supported(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int,
+              max_blocks: int = 0) -> str | None:
+    """Why this kernel cannot run the given shapes (``None`` when it can); ``max_blocks``: the
+    block table's width (its row sits in shared memory)."""
     _, _, hkv, bs, d = kv_pages_shape
     if jnp.dtype(kv_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"KV dtype {jnp.dtype(kv_dtype).name} (bf16/fp16 only)"
@@ -52,16 +71,17 @@ def supported(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: i
         return f"head_size {d} (a multiple of 64 needed)"
     if num_q_heads % hkv or ROWS % (num_q_heads // hkv):
         return f"GQA group {num_q_heads // max(hkv, 1)} does not divide {ROWS}"
+    if smem_bytes(d, max_blocks) > SMEM_BYTES:
+        return f"head_size {d} with {max_blocks} table columns ({smem_bytes(d, max_blocks)} bytes of shared memory)"
     return None
 
 
-def _item_metadata(items: ragged.WorkItems, query_start_loc, seq_lens, block_q, bs,
+def _item_metadata(items: ragged.WorkItems, query_start_loc, seq_lens, block_q,
                    params: AttentionParams, group: int):
     """Per item: scalars ``i32[I, META]`` and per-row ``i32[I, 2, ROWS]`` (position, first visible key)."""
     b = ragged.item_bounds(items, query_start_loc, seq_lens, block_q, params)
-    k_hi = b.p0 + b.n_rows
-    page_hi = jnp.where(b.n_rows > 0, (k_hi + bs - 1) // bs, 0)
-    scalars = jnp.stack([b.seq, b.k_lo // bs, page_hi], axis=1).astype(jnp.int32)
+    key_hi = jnp.where(b.n_rows > 0, b.p0 + b.n_rows, b.k_lo)  # an empty item has no tiles
+    scalars = jnp.stack([b.seq, b.k_lo, key_hi], axis=1).astype(jnp.int32)
     row = jnp.arange(ROWS) // group
     pos = b.p0[:, None] + row[None, :]
     ok = row[None, :] < b.n_rows[:, None]
@@ -71,14 +91,16 @@ def _item_metadata(items: ragged.WorkItems, query_start_loc, seq_lens, block_q, 
     return scalars, rows
 
 
-def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool):
+def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk: int):
     if has_sinks:
         meta_ref, rows_ref, bt_ref, q_ref, kv_ref, sinks_ref, *refs = refs
     else:
         (meta_ref, rows_ref, bt_ref, q_ref, kv_ref, *refs), sinks_ref = refs, None
     o_ref, meta_smem, rows_smem, bt_smem, q_smem, k_smem, v_smem, p_smem, sink_smem, bars, k_bars, v_bars = refs
     item, h = jax.lax.axis_index("item"), jax.lax.axis_index("head")
-    bs, d = k_smem.shape[1], k_smem.shape[2]
+    bs, d = kv_ref.shape[3], k_smem.shape[2]
+    copies = KEYS // chunk
+    last_col = bt_smem.shape[0] - 1
     plgpu.copy_gmem_to_smem(meta_ref.at[item], meta_smem, bars.at[0])
     plgpu.copy_gmem_to_smem(rows_ref.at[item], rows_smem, bars.at[1])
     plgpu.copy_gmem_to_smem(q_ref.at[item, h], q_smem, bars.at[2])
@@ -86,7 +108,9 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool):
         plgpu.copy_gmem_to_smem(sinks_ref.at[h], sink_smem, bars.at[4])
         plgpu.barrier_wait(bars.at[4])
     plgpu.barrier_wait(bars.at[0])
-    seq, page_lo, page_hi = meta_smem[_SEQ], meta_smem[_PAGE_LO], meta_smem[_PAGE_HI]
+    seq, key_lo, key_hi = meta_smem[_SEQ], meta_smem[_KEY_LO], meta_smem[_KEY_HI]
+    tile_lo = key_lo // KEYS
+    tile_hi = jnp.where(key_hi > key_lo, (key_hi + KEYS - 1) // KEYS, tile_lo)
     plgpu.copy_gmem_to_smem(bt_ref.at[seq], bt_smem, bars.at[3])
     plgpu.barrier_wait(bars.at[1])
     plgpu.barrier_wait(bars.at[2])
@@ -95,37 +119,47 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool):
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     row_pos = plgpu.load(rows_smem.at[0], layout=row_layout)
     row_lo = plgpu.load(rows_smem.at[1], layout=row_layout)
-    col = plgpu.broadcasted_iota(jnp.int32, (ROWS, bs), 1, layout=plgpu.Layout.WGMMA)
+    col = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=plgpu.Layout.WGMMA)
 
-    def fetch(j, slot):
-        page = bt_smem[j]
-        plgpu.copy_gmem_to_smem(kv_ref.at[page, 0, h], k_smem.at[slot], k_bars.at[slot])
-        plgpu.copy_gmem_to_smem(kv_ref.at[page, 1, h], v_smem.at[slot], v_bars.at[slot])
+    def fetch(t, slot):
+        # ``copies`` copies of ``chunk`` rows each (chunk divides the block size: none crosses a
+        # page), one barrier each. Columns past the table (keys past the last position) are
+        # clamped; their rows are masked.
+        for c in range(copies):
+            key = t * KEYS + c * chunk
+            page = bt_smem[jnp.minimum(key // bs, last_col)]
+            src, dst = pl.ds(key % bs, chunk), pl.ds(c * chunk, chunk)
+            plgpu.copy_gmem_to_smem(kv_ref.at[page, 0, h, src], k_smem.at[slot, dst], k_bars.at[slot * copies + c])
+            plgpu.copy_gmem_to_smem(kv_ref.at[page, 1, h, src], v_smem.at[slot, dst], v_bars.at[slot * copies + c])
 
-    @pl.when(page_lo < page_hi)
+    def wait(bars_, slot):
+        for c in range(copies):
+            plgpu.barrier_wait(bars_.at[slot * copies + c])
+
+    @pl.when(tile_lo < tile_hi)
     def _():
-        fetch(page_lo, 0)
+        fetch(tile_lo, 0)
 
-    def body(j, carry):
+    def body(t, carry):
         acc, m, l = carry
-        slot = jax.lax.rem(j - page_lo, 2)
+        slot = jax.lax.rem(t - tile_lo, 2)
 
-        @pl.when(j + 1 < page_hi)
+        @pl.when(t + 1 < tile_hi)
         def _():
-            fetch(j + 1, 1 - slot)
+            fetch(t + 1, 1 - slot)
 
-        plgpu.barrier_wait(k_bars.at[slot])
+        wait(k_bars, slot)
 
         def qk(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
             return acc_ref[...]
 
-        s = pl.run_scoped(qk, plgpu.ACC((ROWS, bs), jnp.float32)) * scale
+        s = pl.run_scoped(qk, plgpu.ACC((ROWS, KEYS), jnp.float32)) * scale
         if params.soft_cap is not None:
             s = params.soft_cap * jnp.tanh(s / params.soft_cap)
-        k_pos = col + j * bs
-        pos_b = jax.lax.broadcast_in_dim(row_pos, (ROWS, bs), [0])
-        lo_b = jax.lax.broadcast_in_dim(row_lo, (ROWS, bs), [0])
+        k_pos = col + t * KEYS
+        pos_b = jax.lax.broadcast_in_dim(row_pos, (ROWS, KEYS), [0])
+        lo_b = jax.lax.broadcast_in_dim(row_lo, (ROWS, KEYS), [0])
         mask = (k_pos <= pos_b) & (k_pos >= lo_b)
         s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -134,7 +168,13 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool):
         l = l * alpha + p.sum(axis=1)
         acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-        plgpu.barrier_wait(v_bars.at[slot])
+        wait(v_bars, slot)
+
+        @pl.when((t == tile_lo) | (t == tile_hi - 1))
+        def _():  # edge tiles: zero V rows outside [key_lo, key_hi), so 0 * NaN never reaches O
+            key = plgpu.broadcasted_iota(jnp.int32, (KEYS, d), 0, layout=plgpu.Layout.WGMMA) + t * KEYS
+            v = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA)
+            v_smem[slot] = jnp.where((key >= key_lo) & (key < key_hi), v, jnp.zeros_like(v))
 
         # P goes through shared memory and into a fresh accumulator: the Mosaic GPU
         # interpreter takes wgmma operands from refs only (registers would save a trip).
@@ -153,7 +193,7 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool):
         plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), row_layout),
         plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout),
     )
-    acc, m, l = jax.lax.fori_loop(page_lo, page_hi, body, init)
+    acc, m, l = jax.lax.fori_loop(tile_lo, tile_hi, body, init)
     if has_sinks:
         sink = plgpu.load(sink_smem, layout=row_layout)
         m_fin = jnp.maximum(m, sink)
@@ -178,7 +218,7 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     """
     num_tokens, hq, d = q.shape
     _, _, hkv, bs, _ = kv_pages.shape
-    why = supported(q.dtype, kv_pages.shape, kv_pages.dtype, hq)
+    why = supported(q.dtype, kv_pages.shape, kv_pages.dtype, hq, block_tables.shape[1])
     if why:
         raise ValueError(f"Mosaic GPU paged attention does not take {why}")
     group = hq // hkv
@@ -186,7 +226,7 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     items = ragged.work_items(query_start_loc, num_tokens, block_q)
     n = items.seq.shape[0]
     scalars, rows = _item_metadata(items, query_start_loc.astype(jnp.int32),
-                                   seq_lens.astype(jnp.int32), block_q, bs, params, group)
+                                   seq_lens.astype(jnp.int32), block_q, params, group)
     # [I, block_q, Hkv, G, D] -> [I, Hkv, ROWS, D]: one contiguous Q tile per program.
     q_items = ragged.gather_queries(q, items, block_q).reshape(n, block_q, hkv, group, d)
     q_items = q_items.transpose(0, 2, 1, 3, 4).reshape(n, hkv, ROWS, d)
@@ -198,24 +238,23 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
         sinks_rows = jnp.repeat(sinks.astype(jnp.float32).reshape(hkv, 1, group), block_q, axis=1)
         sinks_rows = sinks_rows.reshape(hkv, ROWS)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    p_swizzle = min(128, bs * kv_pages.dtype.itemsize)  # P's rows are block_size wide
-    p_tiled = (plgpu.TilingTransform((8, p_swizzle // kv_pages.dtype.itemsize)),
-               plgpu.SwizzleTransform(p_swizzle))
+    chunk = math.gcd(bs, KEYS)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, params=params, scale=params.scale(d), has_sinks=sinks is not None),
+        functools.partial(_kernel, params=params, scale=params.scale(d), has_sinks=sinks is not None,
+                          chunk=chunk),
         out_type=jax.ShapeDtypeStruct((n, hkv, ROWS, d), q.dtype),
         scratch_types=[
             plgpu.SMEM((8,), jnp.int32),
             plgpu.SMEM((2, ROWS), jnp.int32),
             plgpu.SMEM((bt.shape[1],), jnp.int32),
             plgpu.SMEM((ROWS, d), q.dtype, transforms=tiled),
-            plgpu.SMEM((2, bs, d), kv_pages.dtype, transforms=tiled),
-            plgpu.SMEM((2, bs, d), kv_pages.dtype, transforms=tiled),
-            plgpu.SMEM((ROWS, bs), kv_pages.dtype, transforms=p_tiled),
+            plgpu.SMEM((2, KEYS, d), kv_pages.dtype, transforms=tiled),
+            plgpu.SMEM((2, KEYS, d), kv_pages.dtype, transforms=tiled),
+            plgpu.SMEM((ROWS, KEYS), kv_pages.dtype, transforms=tiled),
             plgpu.SMEM((ROWS,), jnp.float32),
             plgpu.Barrier(num_barriers=5),
-            plgpu.Barrier(num_barriers=2),
-            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=2 * (KEYS // chunk)),
+            plgpu.Barrier(num_barriers=2 * (KEYS // chunk)),
         ],
         grid=(n, hkv),
         grid_names=("item", "head"),

@@ -8,6 +8,14 @@ window or chunk are never read, and neither is the null block for a valid
 position. Online softmax in f32; V rows past the valid key range are zeroed
 before the product so that stale pages (NaN included) cannot leak.
 
+Triton needs every tensor's size to be a power of 2, so the kernel works on
+power-of-2 tiles of whatever the planner emits: the GQA group is padded to
+the next power of 2 (zero query heads, dropped from the output), and a page
+whose block size is not a power of 2 (80 or 528 tokens under the vllm policy
+with Mamba layers) is read in slices of its largest power-of-2 divisor.
+``supported`` names what remains out of reach (a head size that is not a
+power of 2).
+
 ``page_step`` and ``finish`` hold the math shared with the Mosaic GPU variant.
 """
 
@@ -23,6 +31,26 @@ from kernels_pallas import ragged
 from kernels_pallas.reference import AttentionParams, key_mask
 
 MASK_VALUE = -1e30
+
+
+def pow2_at_least(n: int) -> int:
+    """The smallest power of 2 that is ``>= n``."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def pow2_tile(block_size: int) -> int:
+    """Rows of a page read at once: the largest power of 2 dividing ``block_size``."""
+    return block_size & -block_size
+
+
+def supported(kv_pages_shape: tuple[int, ...], num_q_heads: int) -> str | None:
+    """Why this kernel cannot run the given shapes (``None`` when it can)."""
+    _, two, hkv, _, d = kv_pages_shape
+    if two != 2 or num_q_heads % hkv:
+        return f"{num_q_heads} query heads do not fit kv_pages {tuple(kv_pages_shape)}"
+    if d != pow2_at_least(d):
+        return f"head_size {d} (Triton tiles need a power of 2)"
+    return None
 
 
 def page_step(q, k, v, k_pos, row_pos, row_ok, k_lo, k_hi, carry, params: AttentionParams):
@@ -72,21 +100,24 @@ def _kernel(bounds_ref, bt_ref, q_ref, kv_ref, *rest, params: AttentionParams, b
     _, group, head_size = q_ref.shape
     rows = block_q * group
     bs = kv_ref.shape[3]
+    tile = pow2_tile(bs)
+    per_page = bs // tile
     seq, p0, n_rows, k_lo = (bounds_ref[item, c] for c in range(4))  # ragged.ItemBounds
     row = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group
     row_pos, row_ok = p0 + row, row < n_rows
     k_hi = p0 + n_rows
     q = q_ref[...].reshape(rows, head_size).astype(jnp.float32) * params.scale(head_size)
-    k_iota = jax.lax.broadcasted_iota(jnp.int32, (bs,), 0)
+    k_iota = jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)
 
-    def body(j, carry):
-        page = bt_ref[seq, j]
-        k = kv_ref[page, 0, h]
-        v = kv_ref[page, 1, h]
-        return page_step(q, k, v, j * bs + k_iota, row_pos, row_ok, k_lo, k_hi, carry, params)
+    def body(j, carry):  # tile j: rows [j * tile, (j + 1) * tile) of the sequence
+        page = bt_ref[seq, j // per_page]
+        rows_at = pl.ds(pl.multiple_of((j % per_page) * tile, tile), tile)
+        k = kv_ref[page, 0, h, rows_at]
+        v = kv_ref[page, 1, h, rows_at]
+        return page_step(q, k, v, j * tile + k_iota, row_pos, row_ok, k_lo, k_hi, carry, params)
 
-    hi = jnp.where(n_rows > 0, (k_hi + bs - 1) // bs, 0)
-    carry = jax.lax.fori_loop(k_lo // bs, hi, body, init_carry(rows, head_size))
+    hi = jnp.where(n_rows > 0, (k_hi + tile - 1) // tile, 0)
+    carry = jax.lax.fori_loop(k_lo // tile, hi, body, init_carry(rows, head_size))
     sinks = None
     if has_sinks:
         sinks = jnp.broadcast_to(sinks_ref[...].astype(jnp.float32)[None, :],
@@ -102,36 +133,40 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     """Ragged paged attention (shapes: ``reference.py``) with the portable Pallas kernel.
 
     ``interpret=True`` runs it on CPU; on a GPU it lowers through Triton.
+    ``block_q`` must be a power of 2. Raises ``ValueError`` for shapes the
+    kernel does not take (``supported``).
     """
     num_tokens, hq, d = q.shape
-    _, two, hkv, bs, dk = kv_pages.shape
-    if two != 2 or dk != d or hq % hkv:
+    if kv_pages.ndim != 5 or kv_pages.shape[4] != d:
         raise ValueError(f"q {q.shape} does not fit kv_pages {kv_pages.shape}")
+    why = supported(kv_pages.shape, hq)
+    if why or block_q != pow2_at_least(block_q):
+        raise ValueError(f"portable paged attention does not take {why or f'block_q {block_q}'}")
+    hkv = kv_pages.shape[2]
     group = hq // hkv
+    padded = pow2_at_least(group)  # zero query heads: block_q x padded rows per program
     items = ragged.work_items(query_start_loc, num_tokens, block_q)
     b = ragged.item_bounds(items, query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
                            block_q, params)
     bounds = jnp.stack([b.seq, b.p0, b.n_rows, b.k_lo], axis=1)          # i32[I, 4]
     n = items.seq.shape[0]
     q_items = ragged.gather_queries(q, items, block_q).reshape(n, block_q, hkv, group, d)
+    q_items = jnp.pad(q_items, ((0, 0), (0, 0), (0, 0), (0, padded - group), (0, 0)))
     whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
-    in_specs = [
-        whole(bounds.shape), whole(block_tables.shape),
-        pl.BlockSpec((None, block_q, None, group, d), lambda i, h: (i, 0, h, 0, 0)),
-        whole(kv_pages.shape),
-    ]
+    q_tile = pl.BlockSpec((None, block_q, None, padded, d), lambda i, h: (i, 0, h, 0, 0))
+    in_specs = [whole(bounds.shape), whole(block_tables.shape), q_tile, whole(kv_pages.shape)]
     args = [bounds, block_tables.astype(jnp.int32), q_items, kv_pages]
     if sinks is not None:
-        in_specs.append(pl.BlockSpec((None, group), lambda i, h: (h, 0)))
-        args.append(sinks.reshape(hkv, group))
+        in_specs.append(pl.BlockSpec((None, padded), lambda i, h: (h, 0)))
+        args.append(jnp.pad(sinks.reshape(hkv, group), ((0, 0), (0, padded - group))))
     kernel = functools.partial(_kernel, params=params, block_q=block_q, has_sinks=sinks is not None)
     o_items = pl.pallas_call(
         kernel,
         grid=(n, hkv),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, block_q, None, group, d), lambda i, h: (i, 0, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((n, block_q, hkv, group, d), q.dtype),
+        out_specs=q_tile,
+        out_shape=jax.ShapeDtypeStruct((n, block_q, hkv, padded, d), q.dtype),
         interpret=interpret,
         name="hkv_ragged_paged_attention",
     )(*args)
-    return ragged.scatter_outputs(o_items.reshape(n, block_q, hq, d), items)
+    return ragged.scatter_outputs(o_items[:, :, :, :group].reshape(n, block_q, hq, d), items)

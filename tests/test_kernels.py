@@ -129,14 +129,15 @@ def test_blocked_loop_equals_dense_attention(case):
 
 
 @settings(max_examples=12, **SETTINGS)
-@given(cases())
+@given(cases(block_sizes=(8, 16, 24, 32, 64), groups=(1, 2, 3, 4, 5, 8)))
 def test_portable_kernel_equals_dense_attention(case):
+    # Block 24: read in 8-row tiles; groups 3 and 5: padded to 4 and 8 query heads.
     check(run(portable.paged_attention, case, block_q=4, interpret=True), case)
 
 
-@settings(max_examples=5, **SETTINGS)
-@given(cases(block_sizes=(16, 32, 64), groups=(1, 2, 4, 8), head_sizes=(64, 128),
-             dtypes=("bfloat16", "float16"), tail=0.0))
+@settings(max_examples=4, **SETTINGS)
+@given(cases(block_sizes=(16, 32, 48, 64), groups=(1, 2, 4, 8), head_sizes=(64, 128),
+             dtypes=("bfloat16", "float16")))
 def test_mosaic_gpu_kernel_equals_dense_attention(case):
     check(run(mgpu.paged_attention, case, interpret=True), case)
 
@@ -170,23 +171,6 @@ def test_kv_write_kernel_equals_reference(seed, bs, dtype):
         np.testing.assert_array_equal(np.asarray(out[s // bs, 0, :, s % bs], np.float32),
                                       np.asarray(k[list(slots).index(s)].astype(dtype), np.float32))
     assert not (changed & ~written).any()
-
-
-def test_triton_kernels_lower_for_cuda_without_a_gpu():
-    """The portable kernels lower for CUDA on a CPU-only machine, given an abstract H200."""
-    from jax._src.mesh import AbstractDevice, AbstractMesh
-
-    sd = jax.ShapeDtypeStruct
-    args = (sd((64, 32, 128), jnp.bfloat16), sd((64, 2, 8, 16, 128), jnp.bfloat16),
-            sd((4, 8), jnp.int32), sd((5,), jnp.int32), sd((4,), jnp.int32))
-    attn = lambda *a: portable.paged_attention(*a, AttentionParams(sliding_window=128), block_q=16)
-    write = lambda p, k, s: kv_write_pallas.kv_write(p, k, k, s)
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-    with jax.sharding.use_abstract_mesh(mesh):
-        for fn, a in ((attn, args), (write, (args[1], sd((64, 8, 128), jnp.bfloat16), sd((64,), jnp.int32)))):
-            text = jax.jit(fn).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
-            assert "__gpu$xla.gpu.triton" in text or "triton" in text
 
 
 def test_dispatch_picks_by_platform_and_refuses_unknown_impls():

@@ -1,0 +1,133 @@
+"""The GPU kernels lower for CUDA on this CPU-only machine, given an abstract Hopper device: at every
+shape the planner produces for the presets (both policies), and inside the whole engine step.
+
+Lowering runs Pallas' Triton and Mosaic GPU pipelines up to the kernels' MLIR, layout inference and
+shared-memory accounting included (where the Mosaic kernel failed at 16/32-token pages); it does not
+run ptxas. ``supported`` must be honest: every shape it takes lowers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+import kernels_pallas
+from hkv_jax.engine import Engine
+from hkv_jax.engine.step import StepPlan, step
+from hkv_jax.models.hf_config import layers_from_hf_config, text_config
+from hkv_jax.models.presets import preset_names, resolve_model
+from hkv_jax.models.tiny import TinyConfig, TinyLM
+from hkv_jax.planner import plan
+from hkv_jax.spec import AttentionSpec
+from kernels_pallas import kv_write_portable, paged_attention_mgpu, paged_attention_portable
+from kernels_pallas.reference import AttentionParams
+
+H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                                                 platform="gpu"))
+sd = jax.ShapeDtypeStruct
+T, S, MAX_BLOCKS, N = 64, 8, 40, 1001  # tokens, sequences, table width, pool (odd: nothing is a power of 2)
+
+
+def lower_for_cuda(fn, *args) -> str:
+    with use_abstract_mesh(H200):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def planned_shapes() -> dict[tuple[int, int, int, int], list[str]]:
+    """(query heads, kv heads, head size, block size) of every attention group of every preset under both
+    policies, with who plans it."""
+    shapes: dict[tuple[int, int, int, int], list[str]] = {}
+    for name in preset_names():
+        if name.startswith("tiny-"):  # head size 32: the interpret-mode tests' sizes
+            continue
+        cfg = resolve_model(name)[1]
+        hq = text_config(cfg)["num_attention_heads"]
+        for policy in ("vllm", "min-waste"):
+            config = plan(layers_from_hf_config(cfg, dtype="bfloat16"), block_size=16, policy=policy, num_blocks=N)
+            for g in config.groups:
+                if isinstance(g.spec, AttentionSpec):
+                    key = (hq, g.spec.num_kv_heads, g.spec.head_size, g.block_size)
+                    shapes.setdefault(key, []).append(f"{name}/{policy}")
+    return shapes
+
+
+SHAPES = planned_shapes()
+
+
+def test_the_presets_plan_the_shapes_that_broke_the_kernels():
+    blocks = {bs for _, _, _, bs in SHAPES}
+    assert {16, 80, 528, 544} <= blocks  # Mamba hybrids under the vllm policy: pages of 80/528/544 tokens
+    assert any(hq // hkv == 5 for hq, hkv, _, _ in SHAPES)  # Llama 4 Scout: GQA group 5
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES), ids=lambda s: "hq{}-hkv{}-d{}-bs{}".format(*s))
+def test_every_planned_shape_lowers_with_the_kernel_auto_picks_on_hopper(shape):
+    hq, hkv, d, bs = shape
+    q, pages = sd((T, hq, d), jnp.bfloat16), sd((N, 2, hkv, bs, d), jnp.bfloat16)
+    rest = (sd((S, MAX_BLOCKS), jnp.int32), sd((S + 1,), jnp.int32), sd((S,), jnp.int32))
+    sinks = sd((hq,), jnp.float32)
+    chosen = kernels_pallas.choose("auto", pages.shape, pages.dtype, hq, MAX_BLOCKS, preferred="mosaic_gpu")
+    # Every planned shape but Llama 4's group of 5 (64 query rows per warpgroup) takes the Hopper kernel.
+    assert chosen == ("triton" if 64 % (hq // hkv) else "mosaic_gpu"), SHAPES[shape]
+    with use_abstract_mesh(H200):  # what auto resolves to when lowering for an H200
+        assert kernels_pallas.choose("auto", pages.shape, pages.dtype, hq, MAX_BLOCKS) == chosen
+    params = AttentionParams(sliding_window=128, soft_cap=30.0)
+    for impl in ("mosaic_gpu", "triton"):
+        why = (paged_attention_mgpu.supported(pages.dtype, pages.shape, pages.dtype, hq, MAX_BLOCKS)
+               if impl == "mosaic_gpu" else paged_attention_portable.supported(pages.shape, hq))
+        if why is None:
+            attend = lambda q, p, bt, qsl, lens, sk: kernels_pallas.paged_attention(q, p, bt, qsl, lens, params, sk,
+                                                                                   impl=impl)
+            text = lower_for_cuda(attend, q, pages, *rest, sinks)
+            assert "mosaic_gpu" in text or "triton" in text
+    assert kv_write_portable.supported(pages.shape) is None
+    k = sd((T, hkv, d), jnp.bfloat16)
+    text = lower_for_cuda(lambda p, k, s: kernels_pallas.kv_write(p, k, k, s, impl="triton"), pages, k,
+                          sd((T,), jnp.int32))
+    assert "triton" in text
+
+
+def test_supported_names_what_the_kernels_cannot_take():
+    assert "head_size 96" in paged_attention_portable.supported((N, 2, 4, 16, 96), 8)
+    assert "head_size 96" in kv_write_portable.supported((N, 2, 4, 16, 96))
+    assert "shared memory" in paged_attention_mgpu.supported(jnp.bfloat16, (N, 2, 1, 16, 512), jnp.bfloat16, 4)
+    assert "block_size 24" in paged_attention_mgpu.supported(jnp.bfloat16, (N, 2, 1, 24, 128), jnp.bfloat16, 4)
+    # auto falls through to the kernel that takes the shape: head size 96 -> blocked (pure jnp).
+    assert kernels_pallas.choose("auto", (N, 2, 4, 16, 96), jnp.bfloat16, 8, preferred="mosaic_gpu") == "blocked"
+    assert kernels_pallas.choose("auto", (N, 2, 1, 24, 128), jnp.bfloat16, 4, preferred="mosaic_gpu") == "triton"
+    with pytest.raises(ValueError, match="head_size 96"):
+        paged_attention_portable.paged_attention(
+            jnp.zeros((2, 8, 96)), jnp.zeros((3, 2, 4, 16, 96)), jnp.zeros((1, 2), jnp.int32),
+            jnp.array([0, 2]), jnp.array([2]), AttentionParams())
+
+
+def test_auto_picks_the_kernel_for_the_abstract_device():
+    with use_abstract_mesh(H200):
+        assert kernels_pallas.default_impl() == "mosaic_gpu"
+    a100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA A100-SXM4-80GB",
+                                                                     num_cores=108, platform="gpu"))
+    with use_abstract_mesh(a100):
+        assert kernels_pallas.default_impl() == "triton"
+
+
+def test_the_engine_step_lowers_for_cuda_with_the_hopper_kernels():
+    """tiny-gemma3 (sliding window + full) with a bf16 cache and head size 64, so that the Hopper kernel
+    takes it (its f32 queries are cast to bf16 for it), through ``impl="auto"``: Mosaic GPU attention
+    and the Triton KV write in one step program. (Lowering a step costs half a minute here; the
+    triton-only step differs in the attention call, which the test above lowers at every shape.)"""
+    cfg = dict(resolve_model("tiny-gemma3")[1], head_dim=64)
+    model = TinyLM(TinyConfig.from_hf(cfg, kv_dtype="bfloat16"), nnx.Rngs(0))
+    eng = Engine(model, num_blocks=37, block_size=16, max_requests=4, max_model_len=64, token_budget=16,
+                 token_buckets=(16,), impl="auto")
+    plan_ = StepPlan.pack(np.full(4, -1), np.zeros(4), 0.0, 1.0)
+    abstract = lambda tree: jax.tree.map(lambda x: sd(jnp.shape(x), jnp.result_type(x)), tree)
+    with use_abstract_mesh(H200):
+        lowered = jax.jit(step, static_argnums=0).trace(
+            eng.statics[0], abstract(eng.params), abstract(eng.state), abstract(plan_)).lower(
+            lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "mosaic_gpu" in text and "triton" in text
