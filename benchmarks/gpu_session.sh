@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU run (the `device` tool's machine: jax + CUDA plugin installed, no internet).
-# Checks every kernel against the reference on the GPU, then times decode and prefill.
+# Checks every kernel against the reference on the GPU, then times decode and prefill, then the engine step.
 # Usage (repo root): bash benchmarks/gpu_session.sh [OUTDIR]   (OUTDIR defaults to $OUT or /tmp)
 set -euo pipefail
 out=${1:-${OUT:-/tmp}}
@@ -12,3 +12,6 @@ python benchmarks/attention_gpu.py --mode decode --batch 1,8,64,256 --context 10
 python benchmarks/attention_gpu.py --mode prefill --batch 1,8 --context 4096,32768 --page 16 \
   --repeats 5 --json > "$out/attention_prefill.json" 2> >(tee "$out/attention_prefill.log" >&2)
 python examples/bench_engine_gpu.py --requests 48 2>&1 | tee "$out/engine_steps.log"
+# The engine step split into allocator and model share, on the GPU (the vectorised path; figures in us).
+python benchmarks/engine_step.py --models full32,gemma3 --batch 64,256 --paths new --repeats 2 --json \
+  > "$out/engine_step.json" 2> >(tee "$out/engine_step.log" >&2)

@@ -53,9 +53,10 @@ def workload(seed: int = 0, vocab: int = 256):
 
 
 # Engines of the same sizes on one worker compile once: tiny-gemma3's parity engine and the fork test's;
-# tiny-gptoss's and the rollback and checkpoint tests' (their small pool preempts there too).
-SAME_SIZES = {"tiny-gemma3": pytest.mark.xdist_group("tiny-gemma3-parity-sizes"),
-              "tiny-gptoss": pytest.mark.xdist_group("tiny-gptoss-parity-sizes")}
+# tiny-gptoss's and the rollback and checkpoint tests' (their small pool preempts there too); tiny-jamba's
+# and the Mamba state test's.
+SAME_SIZES = {name: pytest.mark.xdist_group(f"{name}-parity-sizes")
+              for name in ("tiny-gemma3", "tiny-gptoss", "tiny-jamba")}
 
 
 @pytest.mark.parametrize("name,prefix_caching", [
@@ -96,6 +97,7 @@ def test_engine_generates_the_dense_models_tokens(name, prefix_caching):
     assert Engine.compilations() == compiled
 
 
+@SAME_SIZES["tiny-jamba"]
 def test_mamba_state_blocks_hold_the_dense_states_and_serve_hits():
     """Every Mamba table entry holds the dense model's state after the tokens it stands for (the state
     after ``(i + 1) * block_size`` tokens once full), also when a chunk starts inside a block; a later
