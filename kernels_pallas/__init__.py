@@ -56,18 +56,20 @@ def default_impl() -> str:
     return "mosaic_gpu" if hopper else "triton"
 
 
-def choose(impl: str, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int, max_blocks: int = 0,
-           preferred: str | None = None) -> str:
-    """The implementation ``impl`` runs for these shapes: itself, or for ``auto`` the first of
-    ``mosaic_gpu -> triton -> blocked``, starting at ``preferred`` (default: ``default_impl()``), whose
-    ``supported`` takes them (``max_blocks``: the block table's width). Raises ``ValueError`` for an
-    unknown ``impl``."""
+def _known(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(IMPLS)}")
-    if impl != "auto":
+    return impl
+
+
+def choose(impl: str, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int, max_blocks: int = 0) -> str:
+    """The implementation ``impl`` runs for these shapes: itself, or for ``auto`` the first of
+    ``mosaic_gpu -> triton -> blocked``, starting at ``default_impl()``, whose ``supported`` takes them
+    (``max_blocks``: the block table's width). Raises ``ValueError`` for an unknown ``impl``."""
+    if _known(impl) != "auto":
         return impl
     order = ("mosaic_gpu", "triton", "blocked")
-    for candidate in order[order.index(preferred or default_impl()):]:
+    for candidate in order[order.index(default_impl()):]:
         # q is cast to the KV dtype for the Mosaic kernel (paged_attention): q's own dtype does not matter.
         if candidate == "mosaic_gpu" and _mgpu.supported(kv_dtype, kv_pages_shape, kv_dtype, num_q_heads,
                                                           max_blocks):
@@ -103,9 +105,7 @@ def kv_write(kv_pages, k, v, slots, *, impl: str = "auto", interpret: bool = Fal
     ``auto`` uses it where the portable kernel takes the shapes, else the jnp
     scatter.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(IMPLS)}")
-    if impl == "auto":
+    if _known(impl) == "auto":
         kernel = default_impl() != "blocked" and _kv_write.supported(kv_pages.shape) is None
     else:
         kernel = impl in ("triton", "mosaic_gpu")

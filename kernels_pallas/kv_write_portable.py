@@ -15,11 +15,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from kernels_pallas.paged_attention_portable import pow2_at_least
+
 
 def supported(kv_pages_shape: tuple[int, ...]) -> str | None:
     """Why this kernel cannot write into pages of this shape (``None`` when it can)."""
     d = kv_pages_shape[-1]
-    if d & (d - 1):
+    if d != pow2_at_least(d):
         return f"head_size {d} (Triton rows need a power of 2)"
     return None
 
