@@ -5,6 +5,12 @@ and shared by every layer; ``attention(layer, q, k, v, cache, metadata)``
 writes the layer's new K/V into its pages and attends over them. A layer
 that shares another layer's KV (``KVSharingSpec``) passes ``k = v = None``
 and reads its target's pages.
+
+Under a mesh with a ``model`` axis (``jax.set_mesh``), a layer whose KV is
+split by KV head (``CacheLayout.shards``) runs its KV write and attention
+under ``shard_map``, each device on its own heads' part of every page; a
+layer with one KV head (replicated) still splits its query heads. Other
+layers run replicated.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 import kernels_pallas
-from hkv_jax.cache import KVCache, layer_kv, set_layer_kv, slot_mapping
+from hkv_jax.cache import (KVCache, LayerSlot, layer_kv, local_slot, page_view, replace_buffer,
+                           set_layer_kv, slot_mapping, store_page_view)
 from hkv_jax.spec import ChunkedLocalSpec, SlidingWindowSpec
 from kernels_pallas.reference import AttentionParams, query_positions
 
@@ -79,15 +86,61 @@ def attention(layer: str, q: jax.Array, k: jax.Array | None, v: jax.Array | None
     write happens in place.
     """
     slot = cache.layout.slot(layer)
-    kv = layer_kv(cache, layer)
     if (k is None) != (v is None):
         raise ValueError(f"layer {layer!r}: give both k and v, or neither (KV sharing)")
+    params = layer_params(cache, layer, sm_scale=sm_scale, soft_cap=soft_cap)
+    shards = cache.layout.tensor_shards(slot.tensor)
+    heads = _model_axis_split(slot, shards, q.shape[1])
+    if heads > 1:
+        return _sharded(slot, shards, q, k, v, cache, metadata, sinks, params, impl, interpret)
+    if shards > 1:
+        raise ValueError(f"layer {layer!r}: its KV is split {shards} ways but no mesh with a 'model' axis "
+                         f"of that size is in use (jax.set_mesh)")
+    kv = layer_kv(cache, layer)
     if k is not None:
         kv = kernels_pallas.kv_write(kv, k, v, metadata.slot_mappings[slot.group_id],
                                      impl=impl, interpret=interpret)
         cache = set_layer_kv(cache, layer, kv)
     out = kernels_pallas.paged_attention(
         q, kv, metadata.block_tables[slot.group_id], metadata.query_start_loc, metadata.seq_lens,
-        layer_params(cache, layer, sm_scale=sm_scale, soft_cap=soft_cap), sinks,
-        impl=impl, interpret=interpret)
+        params, sinks, impl=impl, interpret=interpret)
     return out, cache
+
+
+def _model_axis_split(slot: LayerSlot, shards: int, num_q_heads: int) -> int:
+    """Devices the layer's heads split over: the mesh's ``model`` axis when its KV is split by head, or
+    when it has one KV head and its query heads divide; else 1 (it runs replicated)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    size = 1 if mesh.empty else dict(mesh.shape).get("model", 1)
+    if size > 1 and (shards == size or (slot.spec.num_kv_heads == 1 and num_q_heads % size == 0)):
+        return size
+    return 1
+
+
+def _sharded(slot: LayerSlot, shards: int, q, k, v, cache: KVCache, metadata: AttentionMetadata, sinks,
+             params: AttentionParams, impl: str, interpret: bool):
+    """``attention`` under ``shard_map`` over the ``model`` axis: per device its query heads, and its
+    KV heads' part of every page (or, with one replicated KV head, the whole page)."""
+    P = jax.sharding.PartitionSpec
+    heads = P(None, "model", None)
+    kv_spec = heads if shards > 1 else P()
+    part = local_slot(slot, shards)
+    g = slot.group_id
+
+    def local(buf, q, k, v, slots, table, starts, lens, sinks):
+        kv = page_view(buf, part)
+        if k is not None:
+            kv = kernels_pallas.kv_write(kv, k, v, slots, impl=impl, interpret=interpret)
+            buf = store_page_view(buf, part, kv)
+        out = kernels_pallas.paged_attention(q, kv, table, starts, lens, params, sinks,
+                                             impl=impl, interpret=interpret)
+        return out, buf
+
+    buf = cache.buffers[slot.tensor]
+    pages = P(None, "model") if shards > 1 else P()
+    # check_vma off: Pallas kernels do not track varying axes; the specs above say what varies.
+    f = jax.shard_map(local, out_specs=(heads, pages), check_vma=False,
+                      in_specs=(pages, heads, kv_spec, kv_spec, P(), P(), P(), P(), P("model")))
+    out, buf = f(buf, q, k, v, metadata.slot_mappings[g], metadata.block_tables[g],
+                 metadata.query_start_loc, metadata.seq_lens, sinks)
+    return out, replace_buffer(cache, slot.tensor, buf)

@@ -9,6 +9,12 @@ copy when the layer fills the page, which is the common case):
 - attention layer: ``dtype[num_blocks, 2, num_kv_heads, block_size, head_size]``
   (K then V; inside a page each kv head's tokens are contiguous, which is what
   the kernels stream);
+- sharded by KV head (``CacheLayout.shards[t] = S > 1``, for a ``model`` mesh
+  axis of size S): a page is S equal parts, part ``j`` holding KV heads
+  ``[j H/S, (j+1) H/S)`` in the layout above (then padding). A device holds one
+  part of every page, ``word[num_blocks, page_words / S]``, which is the
+  unsharded layout of its own heads, so kernels run on it unchanged under
+  ``shard_map``. With S = 1 it is the layout above;
 - Mamba layer: the state of one request is the bytes of its state tensors laid
   one after the other over its ``blocks_per_state`` pages, read and written
   with ``read_mamba_state`` / ``write_mamba_state``.
@@ -60,17 +66,42 @@ class CacheLayout:
     page_size_bytes: int
     num_tensors: int
     slots: tuple[tuple[str, LayerSlot], ...]
+    shards: tuple[int, ...] = ()  # per shared tensor: parts of a page, one per model-axis device (1: replicated)
 
     @classmethod
-    def from_config(cls, config: KVCacheConfig) -> "CacheLayout":
-        """The layout the planner's ``config`` describes (KV-sharing layers point at their target's slot)."""
+    def from_config(cls, config: KVCacheConfig, model_shards: int = 1) -> "CacheLayout":
+        """The layout the planner's ``config`` describes (KV-sharing layers point at their target's slot).
+
+        ``model_shards``: the size of the mesh's ``model`` axis. A shared tensor is split by KV head when
+        every layer in it is an attention layer whose KV heads divide into ``model_shards`` and the page
+        splits into equal whole words; otherwise it is replicated (e.g. one KV head, or a Mamba state).
+        """
+        if not isinstance(model_shards, int) or model_shards < 1:
+            raise ValueError(f"model_shards must be a positive integer, got {model_shards!r}")
         slots: dict[str, LayerSlot] = {}
         for g in config.groups:
             for i, name in enumerate(g.layer_names):
                 slots[name] = LayerSlot(i, g.group_id, g.spec, g.block_size, g.blocks_per_state)
+        word = next(b for b, _ in _WORDS if config.page_size_bytes % b == 0)
+
+        def splits(t: int) -> bool:
+            specs = [s for s in slots.values() if s.tensor == t]
+            return (config.page_size_bytes % (model_shards * word) == 0 and all(
+                isinstance(s.spec, AttentionSpec) and s.spec.num_kv_heads % model_shards == 0
+                and s.used_bytes % (model_shards * word) == 0 for s in specs))
+
+        shards = tuple(model_shards if model_shards > 1 and splits(t) else 1 for t in range(config.group_size))
         for name, target in config.kv_sharing:
             slots[name] = slots[target]
-        return cls(config.num_blocks, config.page_size_bytes, config.group_size, tuple(slots.items()))
+        return cls(config.num_blocks, config.page_size_bytes, config.group_size, tuple(slots.items()), shards)
+
+    def tensor_shards(self, t: int) -> int:
+        """Parts of a page of shared tensor ``t`` (1: not split)."""
+        return self.shards[t] if self.shards else 1
+
+    def bytes_per_device(self) -> int:
+        """KV memory one device of the ``model`` axis holds: split tensors count one part of each page."""
+        return sum(self.num_blocks * self.page_size_bytes // self.tensor_shards(t) for t in range(self.num_tensors))
 
     def slot(self, layer: str) -> LayerSlot:
         """The slot of ``layer``; ``KeyError`` naming the known layers if absent."""
@@ -112,13 +143,31 @@ class KVCache:
     layout: CacheLayout = field(metadata=dict(static=True))
 
 
-def init_cache(config: KVCacheConfig, sharding: jax.sharding.Sharding | None = None) -> KVCache:
-    """Zero-filled buffers for ``config`` (zeros, not ``jnp.empty``: stale pages stay finite)."""
-    layout = CacheLayout.from_config(config)
+def cache_shardings(layout: CacheLayout, mesh: jax.sharding.Mesh) -> tuple[jax.sharding.NamedSharding, ...]:
+    """Per shared tensor: split over the mesh's ``model`` axis (its pages' parts) or replicated."""
+    P = jax.sharding.PartitionSpec
+    return tuple(jax.sharding.NamedSharding(mesh, P(None, "model") if layout.tensor_shards(t) > 1 else P())
+                 for t in range(layout.num_tensors))
+
+
+def init_cache(config: KVCacheConfig, mesh: jax.sharding.Mesh | None = None) -> KVCache:
+    """Zero-filled buffers for ``config`` (zeros, not ``jnp.empty``: stale pages stay finite).
+
+    With a ``mesh`` (axes ``model`` and optionally ``data``), tensors whose KV heads divide the ``model``
+    axis are split by KV head over it (see ``CacheLayout.from_config``), the others replicated.
+    """
+    layout = CacheLayout.from_config(config, model_shards=1 if mesh is None else mesh_model_size(mesh))
     shape = (layout.num_blocks, layout.page_words)
-    return KVCache(tuple(
-        jnp.zeros(shape, layout.word_dtype, device=sharding) for _ in range(layout.num_tensors)
-    ), layout)
+    devices = [None] * layout.num_tensors if mesh is None else cache_shardings(layout, mesh)
+    return KVCache(tuple(jnp.zeros(shape, layout.word_dtype, device=d) for d in devices), layout)
+
+
+def mesh_model_size(mesh) -> int:
+    """The size of a mesh's ``model`` axis (1 without one); ``ValueError`` for axes other than data/model."""
+    names = tuple(mesh.axis_names)
+    if not set(names) <= {"data", "model"}:
+        raise ValueError(f"mesh axes must be 'data' and/or 'model', got {names}")
+    return dict(mesh.shape).get("model", 1)
 
 
 # --- typed views ----------------------------------------------------------------------------
@@ -141,35 +190,65 @@ def _attention_view_shape(slot: LayerSlot) -> tuple[int, ...]:
     return (2, spec.num_kv_heads, slot.block_size, spec.head_size)
 
 
-def layer_kv(cache: KVCache, layer: str) -> jax.Array:
-    """The typed page view of an attention layer: ``dtype[num_blocks, 2, kv_heads, block_size, head_size]``."""
-    layout = cache.layout
+def _attention_slot(layout: CacheLayout, layer: str) -> LayerSlot:
     slot = layout.slot(layer)
     if not isinstance(slot.spec, AttentionSpec):
         raise TypeError(f"layer {layer!r} is a Mamba layer; use read_mamba_state")
-    typed = _words_to(cache.buffers[slot.tensor], slot.spec.dtype)
-    elems = slot.used_bytes // dtype_bytes(slot.spec.dtype)
-    if typed.shape[1] != elems:  # the layer is smaller than the page: the rest is padding
-        typed = typed[:, :elems]
-    return typed.reshape(layout.num_blocks, *_attention_view_shape(slot))
+    return slot
+
+
+def local_slot(slot: LayerSlot, shards: int) -> LayerSlot:
+    """The slot as one device of ``shards`` sees it: its part of the KV heads."""
+    return replace(slot, spec=replace(slot.spec, num_kv_heads=slot.spec.num_kv_heads // shards))
+
+
+def page_view(buf: jax.Array, slot: LayerSlot, shards: int = 1) -> jax.Array:
+    """``buf: word[N, W]`` (pages of ``shards`` parts) as ``dtype[N, 2, kv_heads, block_size, head_size]``."""
+    n = buf.shape[0]
+    part = local_slot(slot, shards)
+    typed = _words_to(buf.reshape(n, shards, -1), slot.spec.dtype)
+    elems = part.used_bytes // dtype_bytes(slot.spec.dtype)
+    if typed.shape[2] != elems:  # the layer is smaller than the page: the rest of each part is padding
+        typed = typed[:, :, :elems]
+    kv = typed.reshape(n, shards, *_attention_view_shape(part))
+    if shards > 1:  # parts hold heads: [N, S, 2, H/S, ...] -> [N, 2, H, ...]
+        kv = kv.transpose(0, 2, 1, 3, 4, 5)
+    return kv.reshape(n, *_attention_view_shape(slot))
+
+
+def store_page_view(buf: jax.Array, slot: LayerSlot, kv: jax.Array, shards: int = 1) -> jax.Array:
+    """The inverse of ``page_view``: ``buf`` with the view's bytes written back (padding kept)."""
+    n = buf.shape[0]
+    part = local_slot(slot, shards)
+    kv = kv.reshape(n, 2, shards, *_attention_view_shape(part)[1:])
+    if shards > 1:
+        kv = kv.transpose(0, 2, 1, 3, 4, 5)
+    words = _words_to(kv.reshape(n, shards, -1), buf.dtype)
+    if words.shape[2] != buf.shape[1] // shards:
+        words = jax.lax.dynamic_update_slice(buf.reshape(n, shards, -1), words, (0, 0, 0))
+    return words.reshape(buf.shape)
+
+
+def layer_kv(cache: KVCache, layer: str) -> jax.Array:
+    """The typed page view of an attention layer: ``dtype[num_blocks, 2, kv_heads, block_size, head_size]``."""
+    slot = _attention_slot(cache.layout, layer)
+    return page_view(cache.buffers[slot.tensor], slot, cache.layout.tensor_shards(slot.tensor))
 
 
 def set_layer_kv(cache: KVCache, layer: str, kv: jax.Array) -> KVCache:
     """Store an attention layer's page view back (the inverse of ``layer_kv``); other bytes are kept."""
     layout = cache.layout
-    slot = layout.slot(layer)
+    slot = _attention_slot(layout, layer)
     expected = (layout.num_blocks, *_attention_view_shape(slot))
     if kv.shape != expected or kv.dtype != jnp.dtype(slot.spec.dtype):
         raise ValueError(f"layer {layer!r}: view must be {slot.spec.dtype}{list(expected)}, "
                          f"got {kv.dtype}{list(kv.shape)}")
-    words = _words_to(kv.reshape(layout.num_blocks, -1), layout.word_dtype)
-    buf = cache.buffers[slot.tensor]
-    if words.shape[1] != layout.page_words:
-        words = jax.lax.dynamic_update_slice(buf, words, (0, 0))
-    return _replace_buffer(cache, slot.tensor, words)
+    buf = store_page_view(cache.buffers[slot.tensor], slot, kv, layout.tensor_shards(slot.tensor))
+    return replace_buffer(cache, slot.tensor, buf)
 
 
-def _replace_buffer(cache: KVCache, i: int, buf: jax.Array) -> KVCache:
+def replace_buffer(cache: KVCache, i: int, buf: jax.Array) -> KVCache:
+    """``cache`` with shared tensor ``i`` replaced by ``buf``."""
     bufs = list(cache.buffers)
     bufs[i] = buf
     return replace(cache, buffers=tuple(bufs))
@@ -238,7 +317,7 @@ def write_mamba_state(cache: KVCache, layer: str, block_ids: jax.Array,
     if valid is not None:
         keep &= valid[:, None]
     target = jnp.where(keep, block_ids, layout.num_blocks)  # out of range: dropped
-    return _replace_buffer(cache, slot.tensor, buf.at[target].set(words, mode="drop"))
+    return replace_buffer(cache, slot.tensor, buf.at[target].set(words, mode="drop"))
 
 
 # --- slot mapping ---------------------------------------------------------------------------

@@ -37,17 +37,18 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     if args.memory is not None and args.num_blocks is not None:
         raise CliError("give --memory or --num-blocks, not both")
-    _positive(args, "num_blocks", "block_size", "max_model_len")
+    _positive(args, "num_blocks", "block_size", "max_model_len", "tp")
     name, config = resolve_model(args.model)
     layers = layers_from_hf_config(config, dtype=args.dtype)
     memory = None if args.num_blocks is not None else parse_bytes(args.memory or DEFAULT_MEMORY)
     max_len = args.max_model_len or text_config(config).get("max_position_embeddings") or 8192
-    others = compare_policies(layers, block_size=args.block_size, memory_bytes=memory, num_blocks=args.num_blocks)
+    others = compare_policies(layers, block_size=args.block_size, memory_bytes=memory, num_blocks=args.num_blocks,
+                              tp=args.tp)
     chosen = others[args.policy]
     if args.json:
-        print(json.dumps(plan_json(name, layers, chosen, others, max_len), indent=1))
+        print(json.dumps(plan_json(name, layers, chosen, others, max_len, args.tp), indent=1))
     else:
-        print(render_table(name, layers, chosen, others, max_len))
+        print(render_table(name, layers, chosen, others, max_len, args.tp))
     if args.plot:
         from hkv_jax.plot import plot_plan
 
@@ -112,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY, help=f"grouping policy (default {DEFAULT_POLICY})")
     p.add_argument("--max-model-len", type=int, help="request length for the concurrency figure (default: the config's max_position_embeddings)")
     p.add_argument("--dtype", help="KV cache dtype (default: the model's, float32 served as bfloat16)")
+    p.add_argument("--tp", type=int, default=1, help="devices on the mesh's model axis: --memory is then per "
+                   "device, and the report says what one device holds (default 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the memory layout and capacity chart")
     p.set_defaults(func=_cmd_plan)

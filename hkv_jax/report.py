@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from hkv_jax.cache import CacheLayout
 from hkv_jax.planner import POLICIES, KVCacheConfig, plan
 from hkv_jax.spec import KVSharingSpec, LayerSpec
 
@@ -49,20 +50,49 @@ def _names(names: tuple[str, ...], limit: int = 4) -> str:
     return ",".join(short[:limit]) + (f",… (+{len(short) - limit})" if len(short) > limit else "")
 
 
-def compare_policies(layers, *, block_size: int, memory_bytes: int | None, num_blocks: int | None) -> dict[str, KVCacheConfig]:
-    """The plan of ``layers`` under every policy, same budget."""
-    return {p: plan(layers, block_size=block_size, policy=p, memory_bytes=memory_bytes, num_blocks=num_blocks)
-            for p in POLICIES}
+def tensor_parallel(config: KVCacheConfig, tp: int) -> dict[str, int]:
+    """What one of ``tp`` devices holds of ``config``'s pool when the ``model`` axis has ``tp`` devices:
+    layer slots split by KV head (the others replicated), bytes per block id and in all."""
+    layout = CacheLayout.from_config(config, model_shards=tp)
+    per_device = layout.bytes_per_device()
+    return {"devices": tp, "split_layer_slots": sum(s > 1 for s in layout.shards), "layer_slots": layout.num_tensors,
+            "bytes_per_block_per_device": per_device // layout.num_blocks, "bytes_per_device": per_device}
 
 
-def render_table(model: str, layers, chosen: KVCacheConfig, others: dict[str, KVCacheConfig], max_model_len: int) -> str:
-    """The text report: the chosen plan's groups, then every policy side by side."""
+def compare_policies(layers, *, block_size: int, memory_bytes: int | None, num_blocks: int | None,
+                     tp: int = 1) -> dict[str, KVCacheConfig]:
+    """The plan of ``layers`` under every policy, same budget; with ``tp`` devices on the ``model`` axis,
+    ``memory_bytes`` is each device's budget (split layer slots cost a ``1 / tp`` part of each page)."""
+    out = {}
+    for p in POLICIES:
+        if tp > 1 and memory_bytes is not None:
+            per_block = tensor_parallel(plan(layers, block_size=block_size, policy=p, num_blocks=2), tp)[
+                "bytes_per_block_per_device"]
+            if memory_bytes // per_block < 2:
+                raise ValueError(f"{format_bytes(memory_bytes)} per device holds less than 2 blocks "
+                                 f"({format_bytes(per_block)} each under policy {p})")
+            out[p] = plan(layers, block_size=block_size, policy=p, num_blocks=memory_bytes // per_block)
+        else:
+            out[p] = plan(layers, block_size=block_size, policy=p, memory_bytes=memory_bytes, num_blocks=num_blocks)
+    return out
+
+
+def render_table(model: str, layers, chosen: KVCacheConfig, others: dict[str, KVCacheConfig], max_model_len: int,
+                 tp: int = 1) -> str:
+    """The text report: the chosen plan's groups, then every policy side by side (per device with ``tp``)."""
     c = chosen
     out = [
         f"{model}  ({layer_summary(layers)})",
         f"policy {c.policy}: {len(c.groups)} KV cache groups x {c.group_size} layer slots, "
         f"page {format_bytes(c.page_size_bytes)}, block {format_bytes(c.bytes_per_block)}, "
         f"{c.num_blocks} blocks (null block included) = {format_bytes(c.total_bytes)}",
+    ]
+    if tp > 1:
+        t = tensor_parallel(c, tp)
+        out.append(f"tensor parallel over {tp} devices: {t['split_layer_slots']} of {t['layer_slots']} layer slots "
+                   f"split by KV head (the rest replicated); per device a block is "
+                   f"{format_bytes(t['bytes_per_block_per_device'])}, the pool {format_bytes(t['bytes_per_device'])}")
+    out += [
         "",
         f"{'group':>5}  {'type':<15} {'layers':>6} {'block':>6} {'span':>4} {'pad':>4} {'pad %':>6}  layers",
     ]
@@ -83,7 +113,8 @@ def render_table(model: str, layers, chosen: KVCacheConfig, others: dict[str, KV
         out.append(f"{label:>5}  {key}  {_names(g.layer_names)}{extra}{more}")
     out += [
         "",
-        f"policies compared (same memory; max concurrent requests at max-model-len {max_model_len}):",
+        f"policies compared (same memory{' per device' if tp > 1 else ''}; max concurrent requests at "
+        f"max-model-len {max_model_len}):",
         f"{'policy':<10} {'groups':>6} {'block':>6} {'pad layers':>10} {'pad %':>6} {'blocks':>10} "
         f"{'capacity tok':>13} {'blocks/req':>10} {'max conc':>9}",
     ]
@@ -98,9 +129,11 @@ def render_table(model: str, layers, chosen: KVCacheConfig, others: dict[str, KV
     return "\n".join(out)
 
 
-def plan_json(model: str, layers, chosen: KVCacheConfig, others: dict[str, KVCacheConfig], max_model_len: int) -> dict[str, Any]:
-    """The JSON report: the chosen plan in full and a summary of every policy."""
+def plan_json(model: str, layers, chosen: KVCacheConfig, others: dict[str, KVCacheConfig], max_model_len: int,
+              tp: int = 1) -> dict[str, Any]:
+    """The JSON report: the chosen plan in full, a summary of every policy, and what one device holds."""
     return {
+        "tensor_parallel": tensor_parallel(chosen, tp),
         "model": model,
         "num_layers": len(layers),
         "layer_kinds": dict(Counter(l.kind for l in layers)),

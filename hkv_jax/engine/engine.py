@@ -23,6 +23,7 @@ state), ``fork`` (the child shares its parent's full blocks), and
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
@@ -37,9 +38,10 @@ from flax import nnx
 
 from hkv_jax.allocator import ops
 from hkv_jax.allocator.state import Layout, init_state
-from hkv_jax.cache import init_cache
+from hkv_jax.cache import init_cache, mesh_model_size
 from hkv_jax.engine.step import Changes, EngineState, StepPlan, StepStatic, prepare, step
 from hkv_jax.planner import plan as plan_cache
+from hkv_jax.sharding import param_shardings, replicated
 
 
 # Module-level, so engines with the same model graph and sizes share compilations.
@@ -112,13 +114,17 @@ class Engine:
     to compile once. ``vectorised=False`` runs the allocator request by request (the exact statement,
     for tests and comparisons). Raises ``ValueError`` for sizes that cannot serve, before anything
     is compiled.
+
+    ``mesh`` (``hkv_jax.sharding.make_mesh``: axes ``data`` and ``model``): serve tensor-parallel over its
+    ``model`` axis (weights split Megatron-style, the KV pool split by KV head where the heads divide,
+    the allocator replicated; see ``hkv_jax.sharding``). The results equal a single-device engine's.
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int = 16, max_requests: int = 8,
                  max_model_len: int = 256, token_budget: int = 64, policy: str = "vllm",
                  impl: str = "auto", seed: int = 0, prefix_caching: bool = True,
                  window_aware_eviction: bool = False, vectorised: bool = True,
-                 token_buckets: tuple[int, ...] | None = None):
+                 token_buckets: tuple[int, ...] | None = None, mesh: jax.sharding.Mesh | None = None):
         for name, value in (("token_budget", token_budget), ("max_requests", max_requests),
                             ("max_model_len", max_model_len), ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
@@ -133,7 +139,12 @@ class Engine:
                              f"max_model_len {max_model_len} tokens: it needs {need} blocks besides the null block")
         self.layout = Layout.from_config(self.config, max_model_len=max_model_len, max_requests=max_requests,
                                          window_aware_eviction=window_aware_eviction)
+        if mesh is not None:
+            mesh_model_size(mesh)  # checks the axis names
+        self.mesh = mesh
         graphdef, params = nnx.split(model)
+        if mesh is not None:
+            params = jax.device_put(params, param_shardings(params, model.cfg, mesh))
         self.params, params_def = jax.tree.flatten(params)
         self.vocab_size = model.cfg.vocab_size
         self.model_layers = model.cfg.layers
@@ -143,7 +154,10 @@ class Engine:
         self._lean = [replace(s, lean=True) for s in self.statics]
         self.vectorised = vectorised
         self._idle_next: set[int] = set()  # slots whose next decode only counts a token (the last report)
-        self.state = EngineState(init_state(self.layout), init_cache(self.config), jax.random.PRNGKey(seed))
+        alloc, key = init_state(self.layout), jax.random.PRNGKey(seed)
+        if mesh is not None:
+            alloc, key = jax.device_put((alloc, key), replicated(mesh))
+        self.state = EngineState(alloc, init_cache(self.config, mesh), key)
         self.requests: dict[int, Request] = {}
         self.waiting: list[int] = []   # request ids, front first
         self.running: list[int] = []   # admission order
@@ -266,7 +280,8 @@ class Engine:
             return []
         t_dispatch = time.perf_counter()
         if changes is not None:
-            alloc = _PREPARE(self.layout, self.state.alloc, changes, self.vectorised)
+            with self._on_mesh():
+                alloc = _PREPARE(self.layout, self.state.alloc, changes, self.vectorised)
             self.state = replace(self.state, alloc=alloc)
             self.stats.host_to_device_bytes += _nbytes(changes)
             self.stats.prepare_calls += 1
@@ -326,10 +341,12 @@ class Engine:
             if static.lean:  # it reads and writes neither the block pool nor the prefix cache: not passed
                 kept = self.state.alloc
                 part = replace(self.state, alloc=replace(kept, bp=None, step_cached=None))
-                part, out = _STEP(static, self.params, part, plan)
+                with self._on_mesh():
+                    part, out = _STEP(static, self.params, part, plan)
                 self.state = replace(part, alloc=replace(part.alloc, bp=kept.bp, step_cached=kept.step_cached))
             else:
-                self.state, out = _STEP(static, self.params, self.state, plan)
+                with self._on_mesh():
+                    self.state, out = _STEP(static, self.params, self.state, plan)
             self.stats.host_to_device_bytes += _nbytes(plan)
             self.stats.device_to_host += 1
             report = np.asarray(out.report)
@@ -340,6 +357,10 @@ class Engine:
         self.stats.bucket_steps[key] = self.stats.bucket_steps.get(key, 0) + 1
         self.last_output = out  # stays on the device; the host reads only its report
         return report
+
+    def _on_mesh(self):
+        """The context the programs are traced and run in: the engine's mesh, if any."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def _handle_refusals(self, refused: list[tuple[int, int]]) -> None:
         """vLLM's policy: a refused running request preempts the latest admitted running one (itself,
@@ -421,7 +442,8 @@ class Engine:
         slot = self._free_slot()
         if slot < 0:
             raise RuntimeError("no free request slot to fork into")
-        self.state = replace(self.state, alloc=_FORK(self.layout, self.state.alloc, parent.slot, slot))
+        with self._on_mesh():
+            self.state = replace(self.state, alloc=_FORK(self.layout, self.state.alloc, parent.slot, slot))
         child = copy.deepcopy(parent)
         child.rid, child.slot = self._next_id, slot
         child.computed = parent.computed // self.layout.block_size * self.layout.block_size

@@ -1,0 +1,129 @@
+"""Serve a tiny model on one device and on (data, model) meshes; print tokens and allocator state as JSON.
+
+Run by ``tests/test_sharding.py`` in a process of its own with 8 host devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8``). Usage: ``sharded_serve.py MODEL DATAxMODEL ...``
+(``1x1``: no mesh, the single-device reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from hkv_jax.engine import Engine
+from hkv_jax.models.presets import resolve_model
+from hkv_jax.models.tiny import TinyConfig, TinyLM
+from hkv_jax.sharding import make_mesh
+
+# KV heads that split 4 ways but not 8: the (1, 8) mesh replicates the pool, the (2, 4) mesh splits it.
+# One KV head: its layers keep the whole pool on every device but split their query heads.
+# Each with a pool (blocks) small enough to preempt.
+MODELS = {
+    "tiny-gptoss-8x4": ("tiny-gptoss", {"num_attention_heads": 8, "num_key_value_heads": 4}, 20),
+    "tiny-gemma3-mqa": ("tiny-gemma3", {"num_key_value_heads": 1}, 50),
+}
+
+
+def model(name: str) -> TinyLM:
+    """The named test model (random weights, seed 0)."""
+    base, overrides, _ = MODELS[name]
+    return TinyLM(TinyConfig.from_hf({**resolve_model(base)[1], **overrides}), nnx.Rngs(0))
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    """Five prompts sharing a 24-token prefix (hits), one of them long (chunked prefill)."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, 256, 24).tolist()
+    return [system + rng.integers(0, 256, k).tolist() for k in (3, 9, 40, 1, 17)]
+
+
+def serve(name: str, mesh) -> dict:
+    """Tokens per request, logits of the last step and the allocator state after every request ended."""
+    engine = Engine(model(name), num_blocks=MODELS[name][2], block_size=8, max_requests=4, max_model_len=80,
+                    token_budget=32, token_buckets=(32,), mesh=mesh)
+    rids = [engine.add_request(p, 6) for p in prompts()]
+    logits = {rid: [] for rid in rids}
+    t = time.perf_counter()
+    while engine.has_work:
+        for rid, _ in engine.step():
+            logits[rid].append(np.asarray(engine.last_output.logits[engine.last_rows[rid]]).tolist())
+    print(f"  served in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    alloc = {jax.tree_util.keystr(p): np.asarray(x).tolist()
+             for p, x in jax.tree_util.tree_flatten_with_path(engine.state.alloc)[0]}
+    pool = [getattr(b.sharding, "spec", None) for b in engine.state.cache.buffers]
+    return {"tokens": [engine.requests[r].generated for r in rids], "logits": [logits[r] for r in rids],
+            "preemptions": engine.stats.preemptions,
+            "hits": engine.stats.cache_hit_tokens, "alloc": alloc, "pool_specs": [str(s) for s in pool],
+            "shards": list(engine.state.cache.layout.shards), "pool_shape": "u32[{},{}]".format(
+                *engine.state.cache.buffers[0].shape), "all_gathers": all_gathers(engine)}
+
+
+def all_gathers(engine: Engine) -> list[str]:
+    """The result shapes of every all-gather in the compiled step program (the pool must not be one)."""
+    from hkv_jax.engine.engine import _STEP
+    from hkv_jax.engine.step import StepPlan
+
+    R = engine.layout.max_requests
+    plan = StepPlan.pack(np.full(R, -1, np.int32), np.zeros(R, np.int32), 0.0, 1.0)
+    with engine._on_mesh():
+        text = _STEP.lower(engine.statics[0], engine.params, engine.state, plan).compile().as_text()
+    return re.findall(r"= (\S+) all-gather\(", text)
+
+
+def attention_errors(shape: tuple[int, int]) -> dict[str, list[float]]:
+    """Per KV head count (4: split by head over the model axis; 1: replicated, query heads split): the largest
+    difference between ``attention`` under a ``shape`` mesh and on one device, of its output and of the pool
+    after its KV write."""
+    import jax.numpy as jnp
+
+    from hkv_jax.attention import attention, make_metadata
+    from hkv_jax.cache import init_cache, layer_kv, set_layer_kv
+    from hkv_jax.planner import plan
+    from hkv_jax.spec import FullAttentionSpec
+
+    rng = np.random.default_rng(1)
+    mesh = make_mesh(*shape)
+    tables = jnp.asarray([[1, 2, 3, 0], [4, 5, 0, 0]], jnp.int32)
+    starts, lens = jnp.asarray([0, 3, 10], jnp.int32), jnp.asarray([10, 7], jnp.int32)
+    errors = {}
+    for kv_heads in (4, 1):
+        config = plan([FullAttentionSpec(name="a", num_kv_heads=kv_heads, head_size=16, dtype="float32")],
+                      block_size=4, num_blocks=8)
+        q, k, v = (jnp.asarray(rng.normal(size=(10, h, 16)), jnp.float32) for h in (8, kv_heads, kv_heads))
+        view = jnp.asarray(rng.normal(size=(8, 2, kv_heads, 4, 16)), jnp.float32)  # what the pages hold
+        outs = []
+        for m in (None, mesh):
+            def run(cache, q, k, v):
+                cache = set_layer_kv(cache, "a", view)
+                out, cache = attention("a", q, k, v, cache, make_metadata(cache, [tables], starts, lens, 10))
+                return out, layer_kv(cache, "a")
+
+            with contextlib.nullcontext() if m is None else jax.set_mesh(m):
+                out, pages = jax.jit(run)(init_cache(config, m), q, k, v)
+            outs.append((np.asarray(out), np.asarray(pages)))
+        errors[str(kv_heads)] = [float(np.abs(a - b).max()) for a, b in zip(*outs)]
+    return errors
+
+
+def main(argv: list[str]) -> int:
+    name, shapes = argv[0], argv[1:]
+    runs = {"attention": attention_errors((2, 4))}
+    for shape in shapes:
+        data, mod = map(int, shape.split("x"))
+        t = time.perf_counter()
+        runs[shape] = serve(name, None if (data, mod) == (1, 1) else make_mesh(data, mod))
+        print(f"{shape}: {time.perf_counter() - t:.1f} s, pool parts {runs[shape]['shards']}, "
+              f"all-gathers {runs[shape]['all_gathers']}", file=sys.stderr, flush=True)
+    json.dump(runs, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

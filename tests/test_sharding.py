@@ -1,0 +1,108 @@
+"""Serving over a mesh: the KV pool split by KV head, tensor-parallel weights, one and two processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hkv_jax.cache import CacheLayout, init_cache, layer_kv, set_layer_kv
+from hkv_jax.cli import main as cli
+from hkv_jax.planner import plan
+from hkv_jax.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+HERE = Path(__file__).parent
+MODEL = "tiny-gptoss-8x4"  # 8 query heads, 4 KV heads: its pool splits over 4 devices, not over 8
+MESHES = ("1x1", "1x8", "2x4", "8x1")
+
+
+def test_a_split_page_holds_each_devices_heads_in_the_unsplit_layout():
+    layers = [FullAttentionSpec(name=f"f{i}", num_kv_heads=4, head_size=8, dtype="float32") for i in range(2)]
+    config = plan(layers, block_size=4, num_blocks=6)
+    layout = CacheLayout.from_config(config, model_shards=2)
+    assert layout.shards == (2, 2) and layout.bytes_per_device() == config.total_bytes // 2
+    cache = init_cache(config)
+    cache = type(cache)(cache.buffers, layout)
+    view = np.arange(6 * 2 * 4 * 4 * 8, dtype=np.float32).reshape(6, 2, 4, 4, 8)
+    cache = set_layer_kv(cache, "f1", view)
+    np.testing.assert_array_equal(np.asarray(layer_kv(cache, "f1")), view)
+    words = np.asarray(cache.buffers[layout.slot("f1").tensor]).view(np.float32).reshape(6, 2, -1)  # [page, part, ...]
+    for part in range(2):
+        np.testing.assert_array_equal(words[:, part].reshape(6, 2, 2, 4, 8), view[:, :, 2 * part:2 * part + 2])
+
+
+@pytest.mark.parametrize("layers", [
+    # A layer of one KV head, or a Mamba state, keeps its tensor whole; 4 KV heads split 4 ways.
+    [SlidingWindowSpec(name="s", num_kv_heads=1, head_size=8, dtype="float32", sliding_window=8),
+     FullAttentionSpec(name="f", num_kv_heads=4, head_size=8, dtype="float32")],
+    [FullAttentionSpec(name="f", num_kv_heads=4, head_size=8, dtype="float32"),
+     MambaSpec(name="m", shapes=((4, 8),), dtypes=("float32",))],
+])
+def test_tensors_holding_an_unsplittable_layer_stay_whole(layers):
+    config = plan(layers, block_size=4, policy="min-waste", num_blocks=6)
+    layout = CacheLayout.from_config(config, model_shards=4)
+    for t in range(layout.num_tensors):
+        kinds = {(type(s.spec).__name__, getattr(s.spec, "num_kv_heads", 0)) for _, s in layout.slots if s.tensor == t}
+        splittable = all(k == "FullAttentionSpec" and h % 4 == 0 for k, h in kinds)
+        assert layout.tensor_shards(t) == (4 if splittable else 1), kinds
+    assert 1 in layout.shards
+    with pytest.raises(ValueError, match="model_shards"):
+        CacheLayout.from_config(config, model_shards=0)
+
+
+def test_plan_tp_reports_what_one_device_holds(capsys):
+    assert cli(["plan", "llama-3.1-8b", "--memory", "10GiB", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert cli(["plan", "llama-3.1-8b", "--memory", "10GiB", "--tp", "8", "--json"]) == 0
+    eight = json.loads(capsys.readouterr().out)
+    tp = eight["tensor_parallel"]
+    assert tp["devices"] == 8 and tp["split_layer_slots"] == tp["layer_slots"] == 32
+    assert tp["bytes_per_device"] <= 10 * 2**30 and eight["plan"]["num_blocks"] == 8 * one["plan"]["num_blocks"]
+    assert cli(["plan", "gemma-3-270m", "--memory", "1GiB", "--tp", "4"]) == 0  # one KV head: nothing splits
+    assert "0 of 3 layer slots split" in capsys.readouterr().out
+    assert cli(["plan", "gemma-3-270m", "--tp", "0"]) == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_sharded_engine_equals_one_device_in_one_process_and_across_two(tmp_path):
+    """8 host devices in one process (meshes 1x8, 2x4, 8x1 against no mesh), and a 2x4 mesh over two
+    processes of 4 devices each (``jax.distributed``, gloo): same tokens, logits, allocator state."""
+    def start(args, devices):
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                   PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+        return subprocess.Popen([sys.executable, *map(str, args)], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    port = _free_port()
+    procs = [start([HERE / "sharded_serve.py", MODEL, *MESHES], 8)] + [
+        start([HERE / "distributed_serve.py", i, port, MODEL, "2x4", tmp_path / "two.json"], 4) for i in (0, 1)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    print(outs[0][1])
+    runs = json.loads(outs[0][0])
+    runs["2x4 over 2 processes"] = json.loads((tmp_path / "two.json").read_text())
+
+    for heads, (out_err, pool_err) in runs.pop("attention").items():  # one layer, mesh 2x4
+        assert out_err < 1e-5 and pool_err < 1e-6, heads
+    base = runs["1x1"]
+    assert base["preemptions"] > 0 and base["hits"] > 0
+    for name, run in runs.items():
+        assert run["tokens"] == base["tokens"], name
+        for got, want in zip(run["logits"], base["logits"]):
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=name)
+        assert run["alloc"] == base["alloc"], name
+        # The pool splits where the model axis divides the 4 KV heads; no all-gather rebuilds a pool tensor.
+        assert run["shards"] == [4, 4] if name.startswith("2x4") else [1, 1], name
+        assert not [s for s in run["all_gathers"] if s.startswith(run["pool_shape"] + "{")], name
