@@ -50,7 +50,9 @@ def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
 
 
 def _path_names(path) -> list[str]:
-    return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    """The names along a key path, without the trailing ``.value`` of an ``nnx.Variable``."""
+    names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    return names[:-1] if names and names[-1] == "value" else names
 
 
 def param_spec(path, shape: tuple[int, ...], cfg, model_shards: int) -> P:

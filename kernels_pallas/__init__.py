@@ -13,6 +13,9 @@ Shapes and conventions: ``reference.py``. Implementations (``impl``):
     ``kv_write_portable.py``); Triton on GPUs before Hopper.
 ``mosaic_gpu``
     The Hopper path (``paged_attention_mgpu.py``).
+``triton_interpret``
+    The portable Pallas kernels in interpret mode, on any backend (engine
+    tests on CPU run the GPU kernels' code this way).
 ``auto``
     Per call, so per KV cache group, from the shapes (decided when the step is
     traced): on a GPU of compute capability 9.x ``mosaic_gpu`` when
@@ -34,7 +37,7 @@ from kernels_pallas import paged_attention_mgpu as _mgpu
 from kernels_pallas import reference
 from kernels_pallas.reference import AttentionParams
 
-IMPLS = ("auto", "reference", "blocked", "triton", "mosaic_gpu")
+IMPLS = ("auto", "reference", "blocked", "triton", "mosaic_gpu", "triton_interpret")
 
 
 HOPPER = ("H100", "H200", "H800", "H20")  # device kinds of compute capability 9.x
@@ -87,6 +90,8 @@ def paged_attention(q, kv_pages, block_tables, query_start_loc, seq_lens, params
     The Mosaic GPU kernel multiplies in the KV dtype: q is cast to it, the output back to q's dtype.
     """
     impl = choose(impl, kv_pages.shape, kv_pages.dtype, q.shape[1], block_tables.shape[1])
+    if impl == "triton_interpret":
+        impl, interpret = "triton", True
     args = (kv_pages, block_tables, query_start_loc, seq_lens, params, sinks)
     if impl == "mosaic_gpu":
         return _mgpu.paged_attention(q.astype(kv_pages.dtype), *args, interpret=interpret).astype(q.dtype)
@@ -108,7 +113,8 @@ def kv_write(kv_pages, k, v, slots, *, impl: str = "auto", interpret: bool = Fal
     if _known(impl) == "auto":
         kernel = default_impl() != "blocked" and _kv_write.supported(kv_pages.shape) is None
     else:
-        kernel = impl in ("triton", "mosaic_gpu")
+        kernel = impl in ("triton", "mosaic_gpu", "triton_interpret")
+        interpret |= impl == "triton_interpret"
     if kernel:
         return _kv_write.kv_write(kv_pages, k, v, slots, interpret=interpret)
     return reference.kv_write(kv_pages, k, v, slots)

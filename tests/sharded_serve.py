@@ -61,6 +61,7 @@ def serve(name: str, mesh) -> dict:
     return {"tokens": [engine.requests[r].generated for r in rids], "logits": [logits[r] for r in rids],
             "preemptions": engine.stats.preemptions,
             "hits": engine.stats.cache_hit_tokens, "alloc": alloc, "pool_specs": [str(s) for s in pool],
+            "split_weights": sum(not x.sharding.is_fully_replicated for x in engine.params),
             "shards": list(engine.state.cache.layout.shards), "pool_shape": "u32[{},{}]".format(
                 *engine.state.cache.buffers[0].shape), "all_gathers": all_gathers(engine)}
 
@@ -79,8 +80,8 @@ def all_gathers(engine: Engine) -> list[str]:
 
 def attention_errors(shape: tuple[int, int]) -> dict[str, list[float]]:
     """Per KV head count (4: split by head over the model axis; 1: replicated, query heads split): the largest
-    difference between ``attention`` under a ``shape`` mesh and on one device, of its output and of the pool
-    after its KV write."""
+    difference between ``attention`` under a ``shape`` mesh and on one device, of its output (with the KV
+    write, then reading only) and of the pool after the write."""
     import jax.numpy as jnp
 
     from hkv_jax.attention import attention, make_metadata
@@ -102,8 +103,10 @@ def attention_errors(shape: tuple[int, int]) -> dict[str, list[float]]:
         for m in (None, mesh):
             def run(cache, q, k, v):
                 cache = set_layer_kv(cache, "a", view)
-                out, cache = attention("a", q, k, v, cache, make_metadata(cache, [tables], starts, lens, 10))
-                return out, layer_kv(cache, "a")
+                metadata = make_metadata(cache, [tables], starts, lens, 10)
+                out, cache = attention("a", q, k, v, cache, metadata)
+                again, _ = attention("a", q, None, None, cache, metadata)  # as a KV-sharing layer reads
+                return jnp.stack([out, again]), layer_kv(cache, "a")
 
             with contextlib.nullcontext() if m is None else jax.set_mesh(m):
                 out, pages = jax.jit(run)(init_cache(config, m), q, k, v)

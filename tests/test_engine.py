@@ -25,6 +25,9 @@ NEW_TOKENS = {"tiny-llama4": 8}
 # tiny-gptoss (2 groups: the cheapest to compile) runs the default token buckets: decode-only steps run the
 # step compiled for 4 tokens, and its tokens are checked against the dense model too.
 DEFAULT_BUCKETS = {"tiny-gptoss"}
+# tiny-gptoss runs the portable Pallas kernels (the GPU path's code) in interpret mode; the others run the
+# dense jnp reference attention.
+IMPL = {"tiny-gptoss": "triton_interpret"}
 # With prefix caching, tiny-jamba runs under the min-waste planner: each Mamba state spans 2 pages (the
 # vllm policy's one-page states run without caching here, and in every replay trace).
 POLICY = {("tiny-jamba", True): "min-waste"}
@@ -53,10 +56,9 @@ def workload(seed: int = 0, vocab: int = 256):
 
 
 # Engines of the same sizes on one worker compile once: tiny-gemma3's parity engine and the fork test's;
-# tiny-gptoss's and the rollback and checkpoint tests' (their small pool preempts there too); tiny-jamba's
-# and the Mamba state test's.
+# tiny-llama4's and the rollback and checkpoint tests'; tiny-jamba's and the Mamba state test's.
 SAME_SIZES = {name: pytest.mark.xdist_group(f"{name}-parity-sizes")
-              for name in ("tiny-gemma3", "tiny-gptoss", "tiny-jamba")}
+              for name in ("tiny-gemma3", "tiny-llama4", "tiny-jamba")}
 
 
 @pytest.mark.parametrize("name,prefix_caching", [
@@ -67,7 +69,8 @@ def test_engine_generates_the_dense_models_tokens(name, prefix_caching):
     # A pool small enough that the run preempts; a token budget that chunks the prefills.
     eng = Engine(model, num_blocks=PARITY_BLOCKS[name, prefix_caching], block_size=8, max_requests=4,
                  max_model_len=MAX_LEN, token_budget=32, token_buckets=None if name in DEFAULT_BUCKETS else (32,),
-                 impl="reference", prefix_caching=prefix_caching, policy=POLICY.get((name, prefix_caching), "vllm"))
+                 impl=IMPL.get(name, "reference"), prefix_caching=prefix_caching,
+                 policy=POLICY.get((name, prefix_caching), "vllm"))
     prompts = workload()
     new = NEW_TOKENS.get(name, 6)
     ids = [eng.add_request(p, new) for p in prompts]
@@ -156,15 +159,16 @@ def run_tokens(eng: Engine) -> dict[int, list[int]]:
     return {rid: list(toks) for rid, toks in eng.run().items()}
 
 
-def gptoss_engine(seed: int) -> Engine:
-    """tiny-gptoss at its parity test's sizes (``SAME_SIZES``)."""
-    return Engine(tiny("tiny-gptoss"), num_blocks=PARITY_BLOCKS["tiny-gptoss", True], block_size=8,
-                  max_requests=4, max_model_len=MAX_LEN, token_budget=32, impl="reference", seed=seed)
+def llama4_engine(seed: int) -> Engine:
+    """tiny-llama4 at its parity test's sizes (``SAME_SIZES``: one compile for the three tests)."""
+    return Engine(tiny("tiny-llama4"), num_blocks=PARITY_BLOCKS["tiny-llama4", True], block_size=8,
+                  max_requests=4, max_model_len=MAX_LEN, token_budget=32, token_buckets=(32,), impl="reference",
+                  seed=seed)
 
 
-@SAME_SIZES["tiny-gptoss"]
+@SAME_SIZES["tiny-llama4"]
 def test_rollback_restores_generation_bit_exactly():
-    eng = gptoss_engine(seed=3)
+    eng = llama4_engine(seed=3)
     eng.temperature, eng.top_p = 1.0, 0.9  # sampling: the PRNG key is part of the snapshot
     for p in workload(1)[:3]:
         eng.add_request(p, 8)
@@ -199,10 +203,10 @@ def test_fork_shares_full_blocks_and_frees_them_once():
     assert not ref.any() and int(eng.state.alloc.bp.pool.num_free) == eng.layout.num_blocks - 1
 
 
-@SAME_SIZES["tiny-gptoss"]
+@SAME_SIZES["tiny-llama4"]
 def test_orbax_save_and_load_continue_generation_bit_exactly(tmp_path):
     def engine():
-        e = gptoss_engine(seed=5)
+        e = llama4_engine(seed=5)
         e.temperature = 0.8
         return e
 

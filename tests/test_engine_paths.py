@@ -11,18 +11,19 @@ from hkv_jax.engine import Engine
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 
-# (model, policy, pool, window-aware eviction): small pools, so runs preempt and evict. Chunked local
-# attention: the allocator's batched steps are checked on it (test_decode_step, test_prefill_batch) and
-# the engine against the dense model (test_engine); two engine compilations per model here.
-RUNS = {
-    "tiny-gemma3": ("vllm", 44, True),          # sliding window + full, our eviction order
-    "tiny-jamba": ("min-waste", 30, False),     # Mamba states spanning 2 pages
-}
+# One model of three layer types: tiny-jamba's Mamba-2 layers (states spanning 2 pages under the
+# min-waste policy) with a sliding-window layer and a full one; window-aware eviction on; a pool small
+# enough to preempt and evict. Chunked local attention: the allocator's batched steps are checked on it
+# (test_decode_step, test_prefill_batch) and the engine against the dense model (test_engine). Two
+# engine compilations here.
+HYBRID = {**resolve_model("tiny-jamba")[1], "sliding_window": 16,
+          "layer_types": ["sliding_attention", "mamba", "full_attention", "mamba"]}
+RUNS = {"sliding+mamba+full": (HYBRID, "min-waste", 40, True)}
 
 
 def _engines(name: str, seed: int):
-    policy, blocks, early = RUNS[name]
-    model = TinyLM(TinyConfig.from_hf(resolve_model(name)[1]), nnx.Rngs(seed))
+    config, policy, blocks, early = RUNS[name]
+    model = TinyLM(TinyConfig.from_hf(config), nnx.Rngs(seed))
     return [Engine(model, num_blocks=blocks, block_size=8, max_requests=4, max_model_len=128, token_budget=24,
                    impl="reference", policy=policy, seed=seed, window_aware_eviction=early, vectorised=v,
                    token_buckets=(24,))

@@ -154,10 +154,12 @@ class Engine:
         self._lean = [replace(s, lean=True) for s in self.statics]
         self.vectorised = vectorised
         self._idle_next: set[int] = set()  # slots whose next decode only counts a token (the last report)
-        alloc, key = init_state(self.layout), jax.random.PRNGKey(seed)
-        if mesh is not None:
-            alloc, key = jax.device_put((alloc, key), replicated(mesh))
-        self.state = EngineState(alloc, init_cache(self.config, mesh), key)
+        # Committed to their devices from the start, as a checkpoint restores them: a restored state then
+        # runs the programs already compiled.
+        placement = jax.devices()[0] if mesh is None else replicated(mesh)
+        alloc, key = jax.device_put((init_state(self.layout), jax.random.PRNGKey(seed)), placement)
+        cache = init_cache(self.config, mesh)
+        self.state = EngineState(alloc, cache if mesh is not None else jax.device_put(cache, placement), key)
         self.requests: dict[int, Request] = {}
         self.waiting: list[int] = []   # request ids, front first
         self.running: list[int] = []   # admission order
