@@ -219,8 +219,13 @@ class Engine:
         budget = self.token_budget
         decoding: list[tuple[int, int]] = []  # (request id, tokens)
         chunked: list[tuple[int, int]] = []
+        requests = self.requests
         for rid in self.running:
-            r = self.requests[rid]
+            r = requests[rid]
+            if budget > 0 and len(r.prompt) + len(r.generated) - r.computed == 1:  # decoding: the usual case
+                decoding.append((rid, 1))
+                budget -= 1
+                continue
             n = self._chunk(r, budget)
             if n > 0:
                 (decoding if n == 1 else chunked).append((rid, n))
@@ -308,8 +313,10 @@ class Engine:
         events = []
         refused = []
         stats = self.stats
+        requests = self.requests
+        stats.tokens_computed += sum(n)  # 0 on refused and padding lanes
         for i, rid in enumerate(order):
-            r = self.requests[rid]
+            r = requests[rid]
             if not ok[i]:
                 refused.append((rid, int(plan.want[i])))
                 continue
@@ -320,11 +327,12 @@ class Engine:
                 stats.cache_hit_tokens += hit[i]
                 stats.prompt_tokens += r.total
             r.computed += hit[i] + n[i]
-            stats.tokens_computed += n[i]
             if sampled[i]:
-                r.generated.append(tokens[i])
-                events.append((rid, tokens[i]))
-                if r.done:
+                tok = tokens[i]
+                generated = r.generated
+                generated.append(tok)
+                events.append((rid, tok))
+                if len(generated) >= r.max_new_tokens or tok in r.stop:  # Request.done
                     self.running.remove(rid)
                     self._to_free.append(r.slot)
                     r.slot = -1
