@@ -51,9 +51,8 @@ def main() -> None:
     ap.add_argument("--num-processes", type=int, default=1)
     ap.add_argument("--process-id", type=int, default=0)
     args = ap.parse_args()
-    if args.coordinator:
-        if jax.default_backend() == "cpu":
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.coordinator:  # before anything touches a device
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # used only by CPU devices
         jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
                                    process_id=args.process_id)
     sharded = serve(make_mesh(args.data, args.model))

@@ -14,17 +14,18 @@ from pathlib import Path
 
 import jax
 
+# Imported before jax.distributed.initialize, as a user would: importing the package must not start a backend.
+sys.path.insert(0, str(Path(__file__).parent))
+from sharded_serve import serve  # noqa: E402
+
+from hkv_jax.sharding import make_mesh  # noqa: E402
+
 
 def main(argv: list[str]) -> int:
     process_id, port, name, shape, out = int(argv[0]), int(argv[1]), argv[2], argv[3], Path(argv[4])
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id,
                                initialization_timeout=120)
-    sys.path.insert(0, str(Path(__file__).parent))
-    from sharded_serve import serve
-
-    from hkv_jax.sharding import make_mesh
-
     data, model = map(int, shape.split("x"))
     result = serve(name, make_mesh(data, model))
     if process_id == 0:

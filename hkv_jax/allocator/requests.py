@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hkv_jax.allocator import block_pool as BP
 from hkv_jax.allocator import pool as P
@@ -21,7 +22,9 @@ from hkv_jax.allocator.hashing import SEED, block_hashes, hash_one_block
 from hkv_jax.allocator.managers import eviction_order
 from hkv_jax.allocator.state import EMPTY, RUNNING, WAITING, AllocatorState, Layout
 
-_NO_EXTRA = jnp.zeros(0, jnp.uint32)
+# A numpy constant, not a device array: importing the package must not start a backend (that would have
+# to wait for ``jax.distributed.initialize``).
+_NO_EXTRA = np.zeros(0, np.uint32)
 # Requests whose blocks one round of ``release_batch`` frees (a static width: a step releases few).
 _RELEASE_ROUND = 16
 
