@@ -90,8 +90,7 @@ def attention(layer: str, q: jax.Array, k: jax.Array | None, v: jax.Array | None
         raise ValueError(f"layer {layer!r}: give both k and v, or neither (KV sharing)")
     params = layer_params(cache, layer, sm_scale=sm_scale, soft_cap=soft_cap)
     shards = cache.layout.tensor_shards(slot.tensor)
-    heads = _model_axis_split(slot, shards, q.shape[1])
-    if heads > 1:
+    if _splits_heads(slot, shards, q.shape[1]):
         return _sharded(slot, shards, q, k, v, cache, metadata, sinks, params, impl, interpret)
     if shards > 1:
         raise ValueError(f"layer {layer!r}: its KV is split {shards} ways but no mesh with a 'model' axis "
@@ -107,14 +106,12 @@ def attention(layer: str, q: jax.Array, k: jax.Array | None, v: jax.Array | None
     return out, cache
 
 
-def _model_axis_split(slot: LayerSlot, shards: int, num_q_heads: int) -> int:
-    """Devices the layer's heads split over: the mesh's ``model`` axis when its KV is split by head, or
-    when it has one KV head and its query heads divide; else 1 (it runs replicated)."""
+def _splits_heads(slot: LayerSlot, shards: int, num_q_heads: int) -> bool:
+    """Whether the layer's heads split over the mesh's ``model`` axis: when its KV is split by head, or
+    when it has one KV head and its query heads divide (else it runs replicated)."""
     mesh = jax.sharding.get_abstract_mesh()
     size = 1 if mesh.empty else dict(mesh.shape).get("model", 1)
-    if size > 1 and (shards == size or (slot.spec.num_kv_heads == 1 and num_q_heads % size == 0)):
-        return size
-    return 1
+    return size > 1 and (shards == size or (slot.spec.num_kv_heads == 1 and num_q_heads % size == 0))
 
 
 def _sharded(slot: LayerSlot, shards: int, q, k, v, cache: KVCache, metadata: AttentionMetadata, sinks,

@@ -82,18 +82,18 @@ class CacheLayout:
         for g in config.groups:
             for i, name in enumerate(g.layer_names):
                 slots[name] = LayerSlot(i, g.group_id, g.spec, g.block_size, g.blocks_per_state)
-        word = next(b for b, _ in _WORDS if config.page_size_bytes % b == 0)
-
-        def splits(t: int) -> bool:
-            specs = [s for s in slots.values() if s.tensor == t]
-            return (config.page_size_bytes % (model_shards * word) == 0 and all(
-                isinstance(s.spec, AttentionSpec) and s.spec.num_kv_heads % model_shards == 0
-                and s.used_bytes % (model_shards * word) == 0 for s in specs))
-
-        shards = tuple(model_shards if model_shards > 1 and splits(t) else 1 for t in range(config.group_size))
         for name, target in config.kv_sharing:
             slots[name] = slots[target]
-        return cls(config.num_blocks, config.page_size_bytes, config.group_size, tuple(slots.items()), shards)
+        layout = cls(config.num_blocks, config.page_size_bytes, config.group_size, tuple(slots.items()))
+        part = model_shards * layout.word_bytes  # a part of a page is whole words
+
+        def splits(t: int) -> bool:
+            return layout.page_size_bytes % part == 0 and all(
+                isinstance(s.spec, AttentionSpec) and s.spec.num_kv_heads % model_shards == 0
+                and s.used_bytes % part == 0 for s in slots.values() if s.tensor == t)
+
+        return replace(layout, shards=tuple(model_shards if model_shards > 1 and splits(t) else 1
+                                            for t in range(layout.num_tensors)))
 
     def tensor_shards(self, t: int) -> int:
         """Parts of a page of shared tensor ``t`` (1: not split)."""
