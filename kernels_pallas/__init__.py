@@ -13,15 +13,19 @@ Shapes and conventions: ``reference.py``. Implementations (``impl``):
     ``kv_write_portable.py``); Triton on GPUs before Hopper.
 ``mosaic_gpu``
     The Hopper path (``paged_attention_mgpu.py``).
-``triton_interpret``
-    The portable Pallas kernels in interpret mode, on any backend (engine
-    tests on CPU run the GPU kernels' code this way).
+``tpu``
+    The Pallas TPU kernel (``paged_attention_tpu.py``): pages stay in HBM and
+    are DMA'd into VMEM one at a time.
+``triton_interpret``, ``tpu_interpret``
+    The portable or the TPU kernel in interpret mode, on any backend (engine
+    tests on CPU run the accelerator kernels' code this way).
 ``auto``
     Per call, so per KV cache group, from the shapes (decided when the step is
     traced): on a GPU of compute capability 9.x ``mosaic_gpu`` when
     ``paged_attention_mgpu.supported`` takes the shapes, else ``triton`` when
-    ``paged_attention_portable.supported`` does, else ``blocked``; ``blocked``
-    off GPUs (``choose``).
+    ``paged_attention_portable.supported`` does, else ``blocked``; on a TPU
+    ``tpu`` when ``paged_attention_tpu.supported`` takes them, else
+    ``blocked``; ``blocked`` elsewhere (``choose``).
 
 ``interpret=True`` runs a Pallas implementation on CPU (tests).
 """
@@ -34,10 +38,11 @@ from kernels_pallas import blocked
 from kernels_pallas import kv_write_portable as _kv_write
 from kernels_pallas import paged_attention_portable as _portable
 from kernels_pallas import paged_attention_mgpu as _mgpu
+from kernels_pallas import paged_attention_tpu as _tpu
 from kernels_pallas import reference
 from kernels_pallas.reference import AttentionParams
 
-IMPLS = ("auto", "reference", "blocked", "triton", "mosaic_gpu", "triton_interpret")
+IMPLS = ("auto", "reference", "blocked", "triton", "mosaic_gpu", "tpu", "triton_interpret", "tpu_interpret")
 
 
 HOPPER = ("H100", "H200", "H800", "H20")  # device kinds of compute capability 9.x
@@ -54,6 +59,8 @@ def default_impl() -> str:
     else:
         dev = jax.devices()[0]
         platform, hopper = dev.platform, str(getattr(dev, "compute_capability", "0")).startswith("9")
+    if platform == "tpu":
+        return "tpu"
     if platform != "gpu":
         return "blocked"
     return "mosaic_gpu" if hopper else "triton"
@@ -67,17 +74,21 @@ def _known(impl: str) -> str:
 
 def choose(impl: str, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int, max_blocks: int = 0) -> str:
     """The implementation ``impl`` runs for these shapes: itself, or for ``auto`` the first of
-    ``mosaic_gpu -> triton -> blocked``, starting at ``default_impl()``, whose ``supported`` takes them
-    (``max_blocks``: the block table's width). Raises ``ValueError`` for an unknown ``impl``."""
+    ``mosaic_gpu -> triton -> blocked`` (GPUs) or ``tpu -> blocked``, starting at ``default_impl()``,
+    whose ``supported`` takes them (``max_blocks``: the block table's width). Raises ``ValueError`` for an
+    unknown ``impl``."""
     if _known(impl) != "auto":
         return impl
-    order = ("mosaic_gpu", "triton", "blocked")
-    for candidate in order[order.index(default_impl()):]:
+    first = default_impl()
+    order = ("tpu", "blocked") if first == "tpu" else ("mosaic_gpu", "triton", "blocked")
+    for candidate in order[order.index(first):]:
         # q is cast to the KV dtype for the Mosaic kernel (paged_attention): q's own dtype does not matter.
         if candidate == "mosaic_gpu" and _mgpu.supported(kv_dtype, kv_pages_shape, kv_dtype, num_q_heads,
                                                           max_blocks):
             continue
         if candidate == "triton" and _portable.supported(kv_pages_shape, num_q_heads):
+            continue
+        if candidate == "tpu" and _tpu.supported(kv_pages_shape, kv_dtype, num_q_heads):
             continue
         return candidate
     raise AssertionError("blocked takes every shape")
@@ -90,9 +101,11 @@ def paged_attention(q, kv_pages, block_tables, query_start_loc, seq_lens, params
     The Mosaic GPU kernel multiplies in the KV dtype: q is cast to it, the output back to q's dtype.
     """
     impl = choose(impl, kv_pages.shape, kv_pages.dtype, q.shape[1], block_tables.shape[1])
-    if impl == "triton_interpret":
-        impl, interpret = "triton", True
+    if impl.endswith("_interpret"):
+        impl, interpret = impl.removesuffix("_interpret"), True
     args = (kv_pages, block_tables, query_start_loc, seq_lens, params, sinks)
+    if impl == "tpu":
+        return _tpu.paged_attention(q, *args, interpret=interpret)
     if impl == "mosaic_gpu":
         return _mgpu.paged_attention(q.astype(kv_pages.dtype), *args, interpret=interpret).astype(q.dtype)
     if impl == "reference":
@@ -107,11 +120,11 @@ def kv_write(kv_pages, k, v, slots, *, impl: str = "auto", interpret: bool = Fal
 
     The Hopper path uses the portable Pallas write: a scatter of a few rows per
     token is bound by memory latency, not by the instructions that issue it.
-    ``auto`` uses it where the portable kernel takes the shapes, else the jnp
-    scatter.
+    ``auto`` uses it on GPUs where the portable kernel takes the shapes, else
+    the jnp scatter (TPUs included: XLA's scatter writes the pages in place).
     """
     if _known(impl) == "auto":
-        kernel = default_impl() != "blocked" and _kv_write.supported(kv_pages.shape) is None
+        kernel = default_impl() in ("triton", "mosaic_gpu") and _kv_write.supported(kv_pages.shape) is None
     else:
         kernel = impl in ("triton", "mosaic_gpu", "triton_interpret")
         interpret |= impl == "triton_interpret"

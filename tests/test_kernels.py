@@ -23,6 +23,7 @@ from kernels_pallas import blocked
 from kernels_pallas import kv_write_portable as kv_write_pallas
 from kernels_pallas import paged_attention_portable as portable
 from kernels_pallas import paged_attention_mgpu as mgpu
+from kernels_pallas import paged_attention_tpu as tpu
 from kernels_pallas import reference
 from kernels_pallas.reference import AttentionParams
 
@@ -140,6 +141,13 @@ def test_portable_kernel_equals_dense_attention(case):
              dtypes=("bfloat16", "float16")))
 def test_mosaic_gpu_kernel_equals_dense_attention(case):
     check(run(mgpu.paged_attention, case, interpret=True), case)
+
+
+@settings(max_examples=6, **SETTINGS)
+@given(cases(block_sizes=(8, 16, 24), groups=(1, 2, 3, 4), head_sizes=(64, 128)))
+def test_tpu_kernel_equals_dense_attention(case):
+    # TPU interpret mode also fills the VMEM double buffer with NaN before the first DMA lands.
+    check(run(tpu.paged_attention, case, block_q=4, interpret=True), case)
 
 
 def test_mosaic_gpu_refuses_shapes_it_cannot_take():

@@ -1,12 +1,16 @@
-"""The GPU kernels lower for CUDA on this CPU-only machine, given an abstract Hopper device: at every
-shape the planner produces for the presets (both policies), and inside the whole engine step.
+"""The accelerator kernels lower on this CPU-only machine, given an abstract device: for CUDA (Hopper)
+and for TPU, at every shape the planner produces for the presets (both policies), and inside the whole
+engine step.
 
-Lowering runs Pallas' Triton and Mosaic GPU pipelines up to the kernels' MLIR, layout inference and
-shared-memory accounting included (where the Mosaic kernel failed at 16/32-token pages); it does not
-run ptxas. ``supported`` must be honest: every shape it takes lowers.
+Lowering for CUDA runs Pallas' Triton and Mosaic GPU pipelines up to the kernels' MLIR, layout inference
+and shared-memory accounting included (where the Mosaic kernel failed at 16/32-token pages); it does not
+run ptxas. Lowering for TPU emits the Mosaic TPU module; Mosaic's own compile runs only on a TPU host.
+``supported`` must be honest: every shape it takes lowers.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,18 +27,22 @@ from hkv_jax.models.presets import preset_names, resolve_model
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 from hkv_jax.planner import plan
 from hkv_jax.spec import AttentionSpec
-from kernels_pallas import kv_write_portable, paged_attention_mgpu, paged_attention_portable
+from kernels_pallas import kv_write_portable, paged_attention_mgpu, paged_attention_portable, paged_attention_tpu
 from kernels_pallas.reference import AttentionParams
 
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                                                  platform="gpu"))
+TPU = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5p", num_cores=None,
+                                                               platform="tpu"))
 sd = jax.ShapeDtypeStruct
 T, S, MAX_BLOCKS, N = 64, 8, 40, 1001  # tokens, sequences, table width, pool (odd: nothing is a power of 2)
 
 
-def lower_for_cuda(fn, *args) -> str:
-    with use_abstract_mesh(H200):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+def lower_for(mesh: AbstractMesh, fn, *args) -> str:
+    """StableHLO of ``fn`` lowered for the abstract mesh's platform."""
+    platform = "cuda" if mesh.abstract_device.platform == "gpu" else "tpu"
+    with use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 def planned_shapes() -> dict[tuple[int, int, int, int], list[str]]:
@@ -81,13 +89,29 @@ def test_every_planned_shape_lowers_with_the_kernel_auto_picks_on_hopper(shape):
         if why is None:
             attend = lambda q, p, bt, qsl, lens, sk: kernels_pallas.paged_attention(q, p, bt, qsl, lens, params, sk,
                                                                                    impl=impl)
-            text = lower_for_cuda(attend, q, pages, *rest, sinks)
+            text = lower_for(H200, attend, q, pages, *rest, sinks)
             assert "mosaic_gpu" in text or "triton" in text
     assert kv_write_portable.supported(pages.shape) is None
     k = sd((T, hkv, d), jnp.bfloat16)
-    text = lower_for_cuda(lambda p, k, s: kernels_pallas.kv_write(p, k, k, s, impl="triton"), pages, k,
+    text = lower_for(H200, lambda p, k, s: kernels_pallas.kv_write(p, k, k, s, impl="triton"), pages, k,
                           sd((T,), jnp.int32))
     assert "triton" in text
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES), ids=lambda s: "hq{}-hkv{}-d{}-bs{}".format(*s))
+def test_every_planned_shape_lowers_for_tpu_where_the_tpu_kernel_takes_it(shape):
+    hq, hkv, d, bs = shape
+    q, pages = sd((T, hq, d), jnp.bfloat16), sd((N, 2, hkv, bs, d), jnp.bfloat16)
+    rest = (sd((S, MAX_BLOCKS), jnp.int32), sd((S + 1,), jnp.int32), sd((S,), jnp.int32))
+    why = paged_attention_tpu.supported(pages.shape, pages.dtype, hq)
+    with use_abstract_mesh(TPU):
+        chosen = kernels_pallas.choose("auto", pages.shape, pages.dtype, hq, MAX_BLOCKS)
+    assert chosen == ("blocked" if why else "tpu"), (why, SHAPES[shape])
+    assert (why is None) == (d % 128 == 0)  # every planned block size is a multiple of 16
+    params = AttentionParams(chunk_size=8192, soft_cap=30.0)
+    attend = lambda q, p, bt, qsl, lens, sk: kernels_pallas.paged_attention(q, p, bt, qsl, lens, params, sk)
+    text = lower_for(TPU, attend, q, pages, *rest, sd((hq,), jnp.float32))
+    assert ("tpu_custom_call" in text) == (why is None)
 
 
 def test_supported_names_what_the_kernels_cannot_take():
@@ -99,6 +123,9 @@ def test_supported_names_what_the_kernels_cannot_take():
     with use_abstract_mesh(H200):
         assert kernels_pallas.choose("auto", (N, 2, 4, 16, 96), jnp.bfloat16, 8) == "blocked"
         assert kernels_pallas.choose("auto", (N, 2, 1, 24, 128), jnp.bfloat16, 4) == "triton"
+    assert "head_size 64" in paged_attention_tpu.supported((N, 2, 4, 16, 64), jnp.bfloat16, 8)
+    assert "block_size 8" in paged_attention_tpu.supported((N, 2, 4, 8, 128), jnp.bfloat16, 8)
+    assert paged_attention_tpu.supported((N, 2, 4, 8, 128), jnp.float32, 8) is None
     with pytest.raises(ValueError, match="head_size 96"):
         paged_attention_portable.paged_attention(
             jnp.zeros((2, 8, 96)), jnp.zeros((3, 2, 4, 16, 96)), jnp.zeros((1, 2), jnp.int32),
@@ -112,22 +139,24 @@ def test_auto_picks_the_kernel_for_the_abstract_device():
                                                                      num_cores=108, platform="gpu"))
     with use_abstract_mesh(a100):
         assert kernels_pallas.default_impl() == "triton"
+    with use_abstract_mesh(TPU):
+        assert kernels_pallas.default_impl() == "tpu"
 
 
-def test_the_engine_step_lowers_for_cuda_with_the_hopper_kernels():
-    """tiny-gemma3 (sliding window + full) with a bf16 cache and head size 64, so that the Hopper kernel
-    takes it (its f32 queries are cast to bf16 for it), through ``impl="auto"``: Mosaic GPU attention
-    and the Triton KV write in one step program. (Lowering a step costs half a minute here; the
-    triton-only step differs in the attention call, which the test above lowers at every shape.)"""
-    cfg = dict(resolve_model("tiny-gemma3")[1], head_dim=64)
+@pytest.mark.parametrize("mesh,kernels", [(H200, ("mosaic_gpu", "triton")), (TPU, ("tpu_custom_call",))],
+                         ids=("cuda", "tpu"))
+def test_the_engine_step_lowers_with_the_accelerator_kernels(mesh, kernels):
+    """tiny-gemma3 (sliding window + full) with a bf16 cache and head size 128, so that the Hopper and the
+    TPU kernels take it (f32 queries are cast to bf16 for the Hopper kernel), through ``impl="auto"``: on
+    an H200 Mosaic GPU attention and the Triton KV write in one step program, on a TPU the Mosaic TPU
+    attention. (Lowering a step costs half a minute here; the triton-only step differs in the attention
+    call, which the tests above lower at every shape.)"""
+    cfg = dict(resolve_model("tiny-gemma3")[1], head_dim=128)
     model = TinyLM(TinyConfig.from_hf(cfg, kv_dtype="bfloat16"), nnx.Rngs(0))
     eng = Engine(model, num_blocks=37, block_size=16, max_requests=4, max_model_len=64, token_budget=16,
                  token_buckets=(16,), impl="auto")
     plan_ = StepPlan.pack(np.full(4, -1), np.zeros(4), 0.0, 1.0)
     abstract = lambda tree: jax.tree.map(lambda x: sd(jnp.shape(x), jnp.result_type(x)), tree)
-    with use_abstract_mesh(H200):
-        lowered = jax.jit(step, static_argnums=0).trace(
-            eng.statics[0], abstract(eng.params), abstract(eng.state), abstract(plan_)).lower(
-            lowering_platforms=("cuda",))
-    text = lowered.as_text()
-    assert "mosaic_gpu" in text and "triton" in text
+    text = lower_for(mesh, functools.partial(step, eng.statics[0]), abstract(eng.params), abstract(eng.state),
+                     abstract(plan_))
+    assert all(k in text for k in kernels), kernels
