@@ -2,9 +2,11 @@
 
 A ``KVCacheConfig`` has ``group_size`` shared tensors; tensor ``i`` holds the
 i-th layer of every KV cache group, and block id ``b`` addresses page ``b`` of
-every tensor. So each buffer is ``[num_blocks, page_words]`` of raw words, and
-a layer sees it through a typed view made inside jit by bitcast + reshape (no
-copy when the layer fills the page, which is the common case):
+every tensor. So each buffer is ``word[num_blocks, page_words]``, and a layer
+sees it through a typed view made inside jit. The word is the attention layers'
+KV dtype when they all share one (the common case): a view of a layer that
+fills the page is then a reshape, free. Otherwise the word is an unsigned
+integer and a view is a bitcast + reshape, which XLA:CPU runs as a copy:
 
 - attention layer: ``dtype[num_blocks, 2, num_kv_heads, block_size, head_size]``
   (K then V; inside a page each kv head's tokens are contiguous, which is what
