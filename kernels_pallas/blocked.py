@@ -3,14 +3,16 @@
 ``reference.paged_attention`` gathers, for every query token, every page of its
 block table at once: simple, and the oracle, but a prefill chunk of T tokens
 then copies its sequence's KV T times (gigabytes per step for a 128-token
-chunk over 880 keys in 18 layers). Here a ``fori_loop`` visits one column of
-the block tables at a time: each token's page of that column
-(``[T, 2, Hkv, block_size, D]``, small enough to stay in cache), its scores,
-and flash attention's online-softmax update. The loop covers only the columns
-some valid token can see (from the lowest first visible block, which a
-sliding window or chunk raises, to the highest last one). GQA by grouping
-query heads; masked V rows are zeroed before use (NaN-safe). Same shapes and
-results as the reference.
+chunk over 880 keys in 18 layers). Here the queries are cut into work items of
+``block_q`` tokens of one sequence (``ragged.py``), and a ``fori_loop`` visits
+one column of the block tables at a time: each item's page of that column
+(``[I, 2, Hkv, block_size, D]``, small enough to stay in cache, read once for
+all ``block_q`` queries of the item), its scores, and flash attention's
+online-softmax update. The loop covers only the columns some valid query can
+see (from the lowest first visible block, which a sliding window or chunk
+raises, to the highest last one). GQA by grouping query heads; V rows no query
+of an item sees are zeroed before use (NaN-safe). Same shapes and results as
+the reference.
 """
 
 from __future__ import annotations
@@ -20,50 +22,75 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.ragged import first_visible_key
+from kernels_pallas import ragged
 from kernels_pallas.reference import AttentionParams, key_mask, query_positions
 
+PREFILL_BLOCK_Q = 16
 
-@functools.partial(jax.jit, static_argnames=("params",))
+
+def default_block_q(num_tokens: int, num_seqs: int) -> int:
+    """Queries per work item: 1 when the batch can be all decodes (every item one token, nothing
+    padded), else ``PREFILL_BLOCK_Q`` (a chunk's page is then read once per 16 queries, at the price of
+    at most one partly empty item per sequence)."""
+    return 1 if num_tokens <= num_seqs else PREFILL_BLOCK_Q
+
+
+@functools.partial(jax.jit, static_argnames=("params", "block_q"))
 def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array, query_start_loc: jax.Array,
-                    seq_lens: jax.Array, params: AttentionParams, sinks: jax.Array | None = None) -> jax.Array:
-    """Ragged paged attention (shapes: ``kernels_pallas.reference``), one block-table column per iteration."""
+                    seq_lens: jax.Array, params: AttentionParams, sinks: jax.Array | None = None,
+                    block_q: int | None = None) -> jax.Array:
+    """Ragged paged attention (shapes: ``kernels_pallas.reference``), one block-table column per iteration.
+
+    ``block_q``: queries per work item (default: ``default_block_q``)."""
     num_tokens, hq, d = q.shape
     _, _, hkv, bs, _ = kv_pages.shape
     g = hq // hkv
     max_blocks = block_tables.shape[1]
-    seq, q_pos, valid = query_positions(query_start_loc, seq_lens, num_tokens)
-    tables = block_tables[seq]                                     # [T, M]
-    lens = seq_lens[seq]
-    qg = q.reshape(num_tokens, hkv, g, d).astype(jnp.float32) * params.scale(d)
-    lo = jnp.min(jnp.where(valid, first_visible_key(q_pos, params) // bs, max_blocks))
-    hi = jnp.minimum(jnp.max(jnp.where(valid, q_pos // bs + 1, 0)), max_blocks)
+    block_q = block_q or default_block_q(num_tokens, seq_lens.shape[0])
+    if block_q == 1:  # an item per token (padding tokens included): no padding items
+        seq, pos, valid = query_positions(query_start_loc, seq_lens, num_tokens)
+        b = ragged.ItemBounds(seq, pos, valid.astype(jnp.int32), ragged.first_visible_key(pos, params))
+        q_items, unpack = q[:, None], lambda out: jnp.where(valid[:, None, None], out[:, 0], 0.0)
+    else:
+        items = ragged.work_items(query_start_loc, num_tokens, block_q)
+        b = ragged.item_bounds(items, query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32), block_q,
+                               params)
+        q_items, unpack = ragged.gather_queries(q, items, block_q), lambda out: ragged.scatter_outputs(out, items)
+    n = b.seq.shape[0]
+    row = jnp.arange(block_q)
+    q_pos = b.p0[:, None] + row                                    # [I, bq]
+    row_ok = row < b.n_rows[:, None]
+    tables = block_tables[b.seq]                                   # [I, M]
+    qg = q_items.reshape(n, block_q, hkv, g, d).astype(jnp.float32) * params.scale(d)
+    lo = jnp.min(jnp.where(b.n_rows > 0, b.k_lo // bs, max_blocks))
+    hi = jnp.minimum(jnp.max(jnp.where(b.n_rows > 0, (b.p0 + b.n_rows + bs - 1) // bs, 0)), max_blocks)
 
     def column(j, carry):
-        m, l, acc = carry                                          # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, D]
-        page = kv_pages[tables[:, j]].astype(jnp.float32)          # [T, 2, Hkv, bs, D]
-        s = jnp.einsum("tkgd,tknd->tkgn", qg, page[:, 0])
+        m, l, acc = carry                                          # [I, bq, Hkv, G], same, [I, bq, Hkv, G, D]
+        page = kv_pages[tables[:, j]].astype(jnp.float32)          # [I, 2, Hkv, bs, D]
+        s = jnp.einsum("ibkgd,iknd->ibkgn", qg, page[:, 0])
         if params.soft_cap is not None:
             s = params.soft_cap * jnp.tanh(s / params.soft_cap)
-        k_pos = j * bs + jnp.arange(bs)[None, :]
-        mask = key_mask(q_pos[:, None], k_pos, params) & valid[:, None] & (k_pos < lens[:, None])  # [T, bs]
-        seen = mask[:, None, None, :]
+        k_pos = j * bs + jnp.arange(bs)
+        mask = key_mask(q_pos[:, :, None], k_pos, params) & row_ok[:, :, None]   # [I, bq, bs]
+        seen = mask[:, :, None, None, :]
         s = jnp.where(seen, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
         base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         alpha = jnp.exp(m - base)
         p = jnp.where(seen, jnp.exp(s - base[..., None]), 0.0)
-        v = jnp.where(mask[:, None, :, None], page[:, 1], 0.0)    # 0 * NaN would leak stale data
-        acc = acc * alpha[..., None] + jnp.einsum("tkgn,tknd->tkgd", p, v)
+        v = jnp.where(mask.any(1)[:, None, :, None], page[:, 1], 0.0)  # 0 * NaN would leak stale data
+        acc = acc * alpha[..., None] + jnp.einsum("ibkgn,iknd->ibkgd", p, v)
         return m_new, l * alpha + p.sum(-1), acc
 
-    init = (jnp.full((num_tokens, hkv, g), -jnp.inf, jnp.float32), jnp.zeros((num_tokens, hkv, g), jnp.float32),
-            jnp.zeros((num_tokens, hkv, g, d), jnp.float32))
+    shape = (n, block_q, hkv, g)
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, d), jnp.float32))
     m, l, acc = jax.lax.fori_loop(lo, hi, column, init)
     if sinks is not None:  # one extra logit per head in the denominator
-        sink = sinks.reshape(hkv, g).astype(jnp.float32)[None]
+        sink = sinks.reshape(hkv, g).astype(jnp.float32)
         top = jnp.maximum(m, sink)
         scale = jnp.exp(m - top)
         l, acc = l * scale + jnp.exp(sink - top), acc * scale[..., None]
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return jnp.where(valid[:, None, None], out.reshape(num_tokens, hq, d), 0.0).astype(q.dtype)
+    return unpack(out.reshape(n, block_q, hq, d)).astype(q.dtype)
