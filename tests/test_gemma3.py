@@ -156,7 +156,7 @@ def test_engine_equals_transformers_with_and_without_prefix_caching_under_preemp
             upto = ref["near_ties"][0] + 1 if ref["near_ties"] else len(ref["generated"])
             if upto < len(got["tokens"]):
                 print(f"prompt {i}: near-tie at step {upto - 1}; compared {upto} tokens")
-            upto = min(upto, len(got["tokens"]))  # repeated prompts and the uncached run generate 8
+            upto = min(upto, len(got["tokens"]))  # the repeated prompts generate 8 tokens
             assert got["tokens"][:upto] == ref["generated"][:upto], (run["summary"], i)
             for step in range(upto):
                 values = [v for _, v in ref["top"][step]]
@@ -166,4 +166,3 @@ def test_engine_equals_transformers_with_and_without_prefix_caching_under_preemp
     assert len(on["results"]) == 10 and on["cache_hit_tokens"] > 0 and on["preemptions"] > 0
     assert sorted(len(g["tokens"]) for g in on["results"]) == [8, 8] + [32] * 8
     assert len(off["results"]) == 8 and off["cache_hit_tokens"] == 0 and off["preemptions"] > 0
-    assert all(len(g["tokens"]) == 8 for g in off["results"])

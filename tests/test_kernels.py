@@ -123,7 +123,7 @@ def test_reference_equals_dense_attention(case):
     check(run(reference.paged_attention, case), case)
 
 
-@settings(max_examples=15, **SETTINGS)
+@settings(max_examples=10, **SETTINGS)
 @given(cases())
 def test_blocked_loop_equals_dense_attention(case):
     check(run(blocked.paged_attention, case), case)  # 1 query per work item where all can be decodes, else 16
