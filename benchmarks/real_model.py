@@ -6,8 +6,8 @@ generating ``--new-tokens`` tokens greedily (EOS not special, so every request g
 from submitting the C requests to the last token, after an untimed warm-up run of the same shapes (ours
 compiles its programs there). Prefix caching is on, but the prompts share only the BOS token.
 
-- ours: ``hkv_jax.engine.Engine`` on the dequantized weights (float32 parameters and KV cache, the jnp
-  reference attention on CPU), ``max_requests = C``, token budget ``--token-budget``;
+- ours: ``hkv_jax.engine.Engine`` on the dequantized weights (float32 parameters and KV cache, the
+  ``blocked`` jnp attention on CPU), ``max_requests = C``, token budget ``--token-budget``;
 - llama.cpp: ``llama-cpp-python``'s low-level API on the quantized file, one context with C sequences,
   every step one batch of all sequences' tokens (prompts first, then one token each), greedy on the
   logits each sequence returns, ``--threads`` threads. Skipped with a line saying so when
