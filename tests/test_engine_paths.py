@@ -30,11 +30,16 @@ def _engines(name: str, seed: int):
             for v in (True, False)]
 
 
+# The tests of this file share their engines' compilations.
+pytestmark = pytest.mark.xdist_group("engine-paths")
+
+
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_vectorised_step_equals_the_per_request_step(name):
     """Random multi-turn traffic (shared prefixes, chunked prefills, new requests while others decode,
-    preemptions, sampling on and off): every step gives the same tokens and the same allocator state
-    (queue order, ref counts, tables, counters, cache entries) on both paths."""
+    preemptions, sampling on and off): every step gives the same tokens, the same allocator state
+    (queue order, ref counts, tables, counters, cache entries) and the same host queues on both paths.
+    The vectorised engine also books decode-only steps with arrays; the per-request one never does."""
     rng = np.random.default_rng(len(name))
     fast, exact = _engines(name, seed=1)
     system = rng.integers(0, 256, 20).tolist()
@@ -50,6 +55,7 @@ def test_vectorised_step_equals_the_per_request_step(name):
             got, want = fast.step(), exact.step()
             assert got == want, f"step {steps}"
             assert semantic(fast.state.alloc, fast.layout) == semantic(exact.state.alloc, exact.layout), f"step {steps}"
+            assert (fast.running, fast.waiting, fast._to_free) == (exact.running, exact.waiting, exact._to_free)
             steps += 1
             if steps % 7 == 0 and len(fast.waiting) < 2:  # a request arrives while others decode
                 prompt = system + rng.integers(0, 256, int(rng.integers(1, 30))).tolist()
@@ -58,6 +64,33 @@ def test_vectorised_step_equals_the_per_request_step(name):
         preempted = fast.stats.preemptions
     assert {rid: r.generated for rid, r in fast.requests.items()} == {rid: r.generated for rid, r in exact.requests.items()}
     assert steps > 30 and preempted > 0 and fast.stats.cache_hit_tokens > 0
+    assert fast.stats.array_steps > 0 and exact.stats.array_steps == 0
+    counters = ("steps", "tokens_computed", "prompt_tokens", "cache_hit_tokens", "generated", "preemptions")
+    assert [getattr(fast.stats, c) for c in counters] == [getattr(exact.stats, c) for c in counters]
+    assert [(r.computed, r.slot, r.cache_hit) for r in fast.requests.values()] == \
+        [(r.computed, r.slot, r.cache_hit) for r in exact.requests.values()]
     # Everything freed on both paths.
     for e in (fast, exact):
         assert int(e.state.alloc.bp.pool.num_free) == e.layout.num_blocks - 1
+
+
+
+def test_stop_tokens_end_requests_on_both_paths():
+    """Sampled requests with stop tokens: each ends at its first stop token or at its token limit, on the
+    vectorised path (which books decode-only steps with arrays) exactly as on the per-request path."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 12, 20, 3)]
+    stop = tuple(range(0, 256, 7))
+    fast, exact = _engines("sliding+mamba+full", seed=2)
+    for e in (fast, exact):
+        e.temperature = 1.0
+        for p in prompts:
+            e.add_request(p, 10, stop=stop)
+    while fast.has_work:
+        assert fast.step() == exact.step()
+    assert not exact.has_work
+    out = [r.generated for r in fast.requests.values()]
+    assert out == [r.generated for r in exact.requests.values()]
+    for toks in out:
+        assert not set(toks[:-1]) & set(stop) and (toks[-1] in stop or len(toks) == 10)
+    assert any(2 <= len(t) < 10 for t in out) and fast.stats.array_steps > 0

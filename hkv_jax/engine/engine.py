@@ -12,6 +12,12 @@ When the allocator refuses a request (``ok=False``), the latest admitted
 running request is preempted in the next step and waits at the front of the
 queue; its prefix may come back from the cache.
 
+While every running request decodes and no waiting one can start (the
+steady state of a full batch), the host keeps them as arrays (``_Decoding``):
+it plans such a step from them and finds the finished requests with array
+operations, so only appending each sampled token stays per request. Any
+other step takes the per-request pass, which rebuilds those arrays.
+
 Models with Mamba layers: a chunk that starts inside a block stops at the
 next block boundary, so a Mamba state block, once full, holds the state
 after exactly its last token (vLLM's 'align' mode; see ``hkv_jax.recurrent``).
@@ -100,8 +106,28 @@ class Stats:
     prepare_calls: int = 0          # steps that released or admitted requests
     bucket_steps: dict[str, int] = field(default_factory=dict)  # steps per program: token bucket, "lean " ones
     lean_misses: int = 0            # lean steps that found a block to move (the full step ran after)
+    array_steps: int = 0            # decode-only steps planned and booked with arrays, not per request
     seconds: float = 0.0            # in ``step()``
     device_seconds: float = 0.0     # ... from the first program's dispatch to the report's arrival
+
+
+@dataclass
+class _Decoding:
+    """The running requests when every one of them decodes (the steady state a step leaves most often),
+    in running order, with what a decode-only step needs per request as arrays."""
+
+    rids: list[int]
+    requests: list[Request]
+    slots: np.ndarray          # i32[n]
+    tokens_left: np.ndarray    # i64[n]: max_new_tokens - generated
+    stops: np.ndarray          # i32[k]: every stop token of these requests (a candidate filter)
+
+    @staticmethod
+    def of(requests: list[Request]) -> "_Decoding":
+        """The record of ``requests``, which must all be decoding."""
+        return _Decoding([r.rid for r in requests], requests, np.array([r.slot for r in requests], np.int32),
+                         np.array([r.max_new_tokens - len(r.generated) for r in requests], np.int64),
+                         np.array(sorted({t for r in requests for t in r.stop}), np.int32))
 
 
 class Engine:
@@ -153,7 +179,8 @@ class Engine:
         self.statics = [StepStatic(graphdef, params_def, self.layout, b, impl, vectorised) for b in buckets]
         self._lean = [replace(s, lean=True) for s in self.statics]
         self.vectorised = vectorised
-        self._idle_next: set[int] = set()  # slots whose next decode only counts a token (the last report)
+        # Slots whose next decode only counts a token (the last report's ``idle_next``).
+        self._idle_next = np.zeros(max_requests, bool)
         # Committed to their devices from the start, as a checkpoint restores them: a restored state then
         # runs the programs already compiled.
         placement = jax.devices()[0] if mesh is None else replicated(mesh)
@@ -173,7 +200,9 @@ class Engine:
         self._admissions = 0
         self._hold_admissions = False
         self.last_output = None  # the last step's StepOutput, on the device
-        self.last_rows: dict[int, int] = {}  # request id -> its row in last_output.logits
+        self._last_order: list[int] = []  # request ids of last_output's rows
+        self._last_rows: dict[int, int] | None = None
+        self._decoding: _Decoding | None = None
 
     # --- requests -------------------------------------------------------------------------
 
@@ -217,6 +246,15 @@ class Engine:
         ones, and how many of the planned requests decode one token and how many are running."""
         R = self.layout.max_requests
         budget = self.token_budget
+        hold, self._hold_admissions = self._hold_admissions, False
+        d = self._decoding
+        if d is not None and len(d.rids) <= budget and (hold or not self.waiting or len(d.rids) in (R, budget)):
+            n = len(d.rids)  # every running request decodes, and no waiting one can start: no pass over them
+            slots = np.full(R, -1, np.int32)
+            slots[:n] = d.slots
+            want = np.zeros(R, np.int32)
+            want[:n] = 1
+            return StepPlan.pack(slots, want, self.temperature, self.top_p), self._changes([]), d.rids, [], n, n
         decoding: list[tuple[int, int]] = []  # (request id, tokens)
         chunked: list[tuple[int, int]] = []
         requests = self.requests
@@ -232,7 +270,6 @@ class Engine:
                 budget -= n
         picks = decoding + chunked
         admit: list[int] = []
-        hold, self._hold_admissions = self._hold_admissions, False
         for rid in list(self.waiting):
             if hold or budget <= 0 or len(picks) >= R:
                 break
@@ -303,18 +340,34 @@ class Engine:
             return []
         # A decode step whose requests the last report found idle runs the lean program (checked there:
         # if a block would move after all, it applies nothing and the full step runs).
-        slots = plan.slots[:len(order)].tolist()
-        lean = (decoding == len(order) and changes is None and self.vectorised
-                and self._idle_next.issuperset(slots))
-        ok, n, hit, sampled, tokens, idle_next = self._run(plan, lean).tolist()
-        self.last_rows = {rid: i for i, rid in enumerate(order)}
+        k = len(order)
+        slots = plan.slots[:k]
+        lean = decoding == k and changes is None and self.vectorised and bool(self._idle_next[slots].all())
+        report = self._run(plan, lean)[:, :k]
+        self._last_order, self._last_rows = order, None
         self.stats.device_seconds += time.perf_counter() - t_dispatch
-        self._idle_next = {slot for slot, idle in zip(slots, idle_next) if idle}
+        self._idle_next[:] = False
+        self._idle_next[slots[report[5] != 0]] = True
+        d = self._decoding
+        if (order is getattr(d, "rids", None) and report[0].all() and report[3].all() and (report[1] == 1).all()
+                and not report[2].any()):
+            events = self._book_decodes(d, report[4])
+            self.stats.array_steps += 1
+        else:
+            events = self._book(order, running, plan, report)
+        self.stats.steps += 1
+        self.stats.seconds += time.perf_counter() - t0
+        return events
+
+    def _book(self, order: list[int], running: int, plan: StepPlan, report: np.ndarray) -> list[tuple[int, int]]:
+        """Apply a step's report to the requests it planned (``order``; the first ``running`` of them were
+        running); returns the sampled (request id, token) pairs."""
+        ok, n, hit, sampled, tokens, _ = report.tolist()
         events = []
         refused = []
         stats = self.stats
         requests = self.requests
-        stats.tokens_computed += sum(n)  # 0 on refused and padding lanes
+        stats.tokens_computed += sum(n)  # 0 on refused lanes
         for i, rid in enumerate(order):
             r = requests[rid]
             if not ok[i]:
@@ -339,8 +392,35 @@ class Engine:
         stats.generated += len(events)
         if refused:
             self._handle_refusals(refused)
-        stats.steps += 1
-        stats.seconds += time.perf_counter() - t0
+        live = [requests[rid] for rid in self.running]
+        decoding = live and all(len(r.prompt) + len(r.generated) - r.computed == 1 for r in live)
+        self._decoding = _Decoding.of(live) if decoding and self.vectorised else None
+        return events
+
+    def _book_decodes(self, d: _Decoding, tokens: np.ndarray) -> list[tuple[int, int]]:
+        """``_book`` for a step that decoded every running request (``d``), each allocated and sampled:
+        the finished ones found with array operations."""
+        toks = tokens.tolist()
+        for r, tok in zip(d.requests, toks):
+            r.computed += 1
+            r.generated.append(tok)
+        events = list(zip(d.rids, toks))
+        self.stats.tokens_computed += len(toks)
+        self.stats.generated += len(toks)
+        d.tokens_left -= 1
+        done = d.tokens_left <= 0
+        for i in np.flatnonzero(np.isin(tokens, d.stops)) if d.stops.size else ():
+            done[i] |= toks[i] in d.requests[i].stop
+        if done.any():
+            finished = np.flatnonzero(done)
+            for i in finished.tolist():
+                r = d.requests[i]
+                self._to_free.append(r.slot)
+                r.slot = -1
+            keep = np.flatnonzero(~done)
+            self.running = [d.rids[i] for i in keep.tolist()]
+            self._decoding = _Decoding([d.rids[i] for i in keep.tolist()], [d.requests[i] for i in keep.tolist()],
+                                       d.slots[keep], d.tokens_left[keep], d.stops) if keep.size else None
         return events
 
     def _run(self, plan: StepPlan, lean: bool) -> np.ndarray:
@@ -367,6 +447,13 @@ class Engine:
         self.stats.bucket_steps[key] = self.stats.bucket_steps.get(key, 0) + 1
         self.last_output = out  # stays on the device; the host reads only its report
         return report
+
+    @property
+    def last_rows(self) -> dict[int, int]:
+        """Request id -> its row in ``last_output.logits`` (the requests the last step planned)."""
+        if self._last_rows is None:
+            self._last_rows = {rid: i for i, rid in enumerate(self._last_order)}
+        return self._last_rows
 
     def _on_mesh(self):
         """The context the programs are traced and run in: the engine's mesh, if any."""
@@ -431,6 +518,7 @@ class Engine:
         self.requests, self.waiting, self.running = h["requests"], h["waiting"], h["running"]
         self._to_free, self._to_preempt, self._next_id = h["to_free"], h["to_preempt"], h["next_id"]
         self._admissions, self._hold_admissions = h["admissions"], h["hold_admissions"]
+        self._decoding = None  # rebuilt by the next step's pass over the requests
 
     def snapshot(self) -> tuple[EngineState, dict]:
         """A copy of the device state and the host's bookkeeping (the step donates the live state)."""
@@ -460,6 +548,7 @@ class Engine:
         self._next_id += 1
         self.requests[child.rid] = child
         self.running.append(child.rid)
+        self._decoding = None
         return child.rid
 
     def save(self, path: str | Path) -> None:
