@@ -74,7 +74,6 @@ def test_vectorised_step_equals_the_per_request_step(name):
         assert int(e.state.alloc.bp.pool.num_free) == e.layout.num_blocks - 1
 
 
-
 def test_stop_tokens_end_requests_on_both_paths():
     """Sampled requests with stop tokens: each ends at its first stop token or at its token limit, on the
     vectorised path (which books decode-only steps with arrays) exactly as on the per-request path."""

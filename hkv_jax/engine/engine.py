@@ -129,6 +129,11 @@ class _Decoding:
                          np.array([r.max_new_tokens - len(r.generated) for r in requests], np.int64),
                          np.array(sorted({t for r in requests for t in r.stop}), np.int32))
 
+    def take(self, keep: list[int]) -> "_Decoding":
+        """The record of the requests at positions ``keep``."""
+        return _Decoding([self.rids[i] for i in keep], [self.requests[i] for i in keep], self.slots[keep],
+                         self.tokens_left[keep], self.stops)
+
 
 class Engine:
     """A serving loop around the jitted step for an NNX model with the ``paged`` protocol
@@ -392,9 +397,8 @@ class Engine:
         stats.generated += len(events)
         if refused:
             self._handle_refusals(refused)
-        live = [requests[rid] for rid in self.running]
-        decoding = live and all(len(r.prompt) + len(r.generated) - r.computed == 1 for r in live)
-        self._decoding = _Decoding.of(live) if decoding and self.vectorised else None
+        live = [requests[rid] for rid in self.running] if self.vectorised else []
+        self._decoding = _Decoding.of(live) if live and all(r.total - r.computed == 1 for r in live) else None
         return events
 
     def _book_decodes(self, d: _Decoding, tokens: np.ndarray) -> list[tuple[int, int]]:
@@ -409,18 +413,16 @@ class Engine:
         self.stats.generated += len(toks)
         d.tokens_left -= 1
         done = d.tokens_left <= 0
-        for i in np.flatnonzero(np.isin(tokens, d.stops)) if d.stops.size else ():
+        for i in np.flatnonzero(np.isin(tokens, d.stops)):
             done[i] |= toks[i] in d.requests[i].stop
         if done.any():
-            finished = np.flatnonzero(done)
-            for i in finished.tolist():
+            for i in np.flatnonzero(done).tolist():
                 r = d.requests[i]
                 self._to_free.append(r.slot)
                 r.slot = -1
-            keep = np.flatnonzero(~done)
-            self.running = [d.rids[i] for i in keep.tolist()]
-            self._decoding = _Decoding([d.rids[i] for i in keep.tolist()], [d.requests[i] for i in keep.tolist()],
-                                       d.slots[keep], d.tokens_left[keep], d.stops) if keep.size else None
+            keep = np.flatnonzero(~done).tolist()
+            self._decoding = d.take(keep) if keep else None
+            self.running = [d.rids[i] for i in keep]
         return events
 
     def _run(self, plan: StepPlan, lean: bool) -> np.ndarray:
