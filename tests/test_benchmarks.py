@@ -46,15 +46,18 @@ def test_allocator_benchmark_runs_both_decode_paths_and_reruns_with_hugepages():
 
 
 def test_engine_benchmark_runs_against_the_allocator_benchmark():
-    # 4 requests of one hybrid model through the engine (vectorised allocator), with allocator_step.py's
-    # figures for the same workload alongside. The per-request path (--paths old) is the same Engine
+    # 4 requests of one hybrid model through the engine (vectorised allocator; one decode step a call, then
+    # two), with allocator_step.py's figures for the same workload alongside. The per-request path (--paths old) is the same Engine
     # with vectorised=False, which test_engine_paths.py runs step by step.
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/engine_step.py"), "--models", "gptoss",
-                           "--batch", "4", "--decode", "4", "--repeats", "1", "--paths", "new", "--json"],
+                           "--batch", "4", "--decode", "4", "--repeats", "1", "--paths", "new,multi",
+                           "--decode-steps", "2", "--json"],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    (row,) = json.loads(proc.stdout)["steps"]
-    assert row["path"] == "new"
-    assert row["decode_step_us"] > 0 and row["prefill_us_per_request"] > 0 and row["alloc_decode_us"] > 0
-    assert row["floor_us"] > 0 and row["decode_host_us"] >= 0
-    assert any(k.startswith("lean") for k in row["programs"])  # the decode fast path ran
+    new, multi = json.loads(proc.stdout)["steps"]
+    assert (new["path"], multi["path"]) == ("new", "multi")
+    for row in (new, multi):
+        assert row["decode_step_us"] > 0 and row["prefill_us_per_request"] > 0 and row["alloc_decode_us"] > 0
+        assert row["floor_us"] > 0 and row["decode_host_us"] >= 0
+    assert any(k.startswith("lean") for k in new["programs"])  # the decode fast path ran
+    assert any(k.startswith("multi-step") for k in multi["programs"])  # several decode steps per program

@@ -21,13 +21,14 @@ HYBRID = {**resolve_model("tiny-jamba")[1], "sliding_window": 16,
 RUNS = {"sliding+mamba+full": (HYBRID, "min-waste", 40, True)}
 
 
-def _engines(name: str, seed: int):
+def _engines(name: str, seed: int, kinds=({"vectorised": True}, {"vectorised": False})):
+    """Engines of one model, one per keyword set of ``kinds``."""
     config, policy, blocks, early = RUNS[name]
     model = TinyLM(TinyConfig.from_hf(config), nnx.Rngs(seed))
     return [Engine(model, num_blocks=blocks, block_size=8, max_requests=4, max_model_len=128, token_budget=24,
-                   impl="reference", policy=policy, seed=seed, window_aware_eviction=early, vectorised=v,
-                   token_buckets=(24,))
-            for v in (True, False)]
+                   impl="reference", policy=policy, seed=seed, window_aware_eviction=early, token_buckets=(24,),
+                   **kind)
+            for kind in kinds]
 
 
 # The tests of this file share their engines' compilations.
@@ -93,3 +94,43 @@ def test_stop_tokens_end_requests_on_both_paths():
     for toks in out:
         assert not set(toks[:-1]) & set(stop) and (toks[-1] in stop or len(toks) == 10)
     assert any(2 <= len(t) < 10 for t in out) and fast.stats.array_steps > 0
+
+
+def test_multi_step_decoding_equals_single_steps():
+    """``decode_steps=4``: a ``step()`` call runs up to 4 decode steps in one program. Against an engine
+    stepping one at a time through the same traffic (more requests than lanes, two arriving mid-run, stop
+    tokens, greedy then sampled, a pool small enough to preempt): the same tokens in the same order, the
+    same allocator state and host queues after every call, and calls that ran several steps."""
+    rng = np.random.default_rng(11)
+    multi, single = _engines("sliding+mamba+full", seed=3, kinds=({"decode_steps": 4}, {}))
+    system = rng.integers(0, 256, 20).tolist()
+    stop = (5, 77)
+
+    def submit():
+        prompt = system + rng.integers(0, 256, int(rng.integers(1, 30))).tolist()
+        new = int(rng.integers(8, 40))
+        assert multi.add_request(prompt, new, stop=stop) == single.add_request(prompt, new, stop=stop)
+
+    calls = 0
+    for round_ in range(2):
+        for e in (multi, single):
+            e.temperature = 0.9 if round_ == 1 else 0.0
+        for _ in range(6):
+            submit()
+        while multi.has_work:
+            got, want = multi.step(), single.step()
+            while single.stats.steps < multi.stats.steps:
+                want += single.step()
+            assert got == want, f"call {calls}"
+            assert single.stats.steps == multi.stats.steps
+            assert semantic(multi.state.alloc, multi.layout) == semantic(single.state.alloc, single.layout)
+            assert (multi.running, multi.waiting, multi._to_free) == (single.running, single.waiting, single._to_free)
+            calls += 1
+            if calls in (6, 20):  # a request arrives while others decode
+                submit()
+        assert not single.has_work
+    assert {rid: r.generated for rid, r in multi.requests.items()} == \
+        {rid: r.generated for rid, r in single.requests.items()}
+    print("calls", calls, "steps", multi.stats.steps, multi.stats.preemptions, multi.stats.multi_step_calls,
+          multi.stats.bucket_steps, [len(r.generated) for r in multi.requests.values()])
+    assert multi.stats.multi_step_calls > 0 and calls < multi.stats.steps

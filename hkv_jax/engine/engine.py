@@ -45,13 +45,14 @@ from flax import nnx
 from hkv_jax.allocator import ops
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.cache import init_cache, mesh_model_size
-from hkv_jax.engine.step import Changes, EngineState, StepPlan, StepStatic, prepare, step
+from hkv_jax.engine.step import Changes, EngineState, StepPlan, StepStatic, decode_steps, prepare, step
 from hkv_jax.planner import plan as plan_cache
 from hkv_jax.sharding import param_shardings, replicated
 
 
 # Module-level, so engines with the same model graph and sizes share compilations.
 _STEP = jax.jit(step, static_argnums=0, donate_argnums=2)
+_DECODE_STEPS = jax.jit(decode_steps, static_argnums=(0, 1), donate_argnums=3)
 _PREPARE = jax.jit(prepare, static_argnums=(0, 3), donate_argnums=1)
 _FORK = jax.jit(ops.fork, static_argnums=0, donate_argnums=1)
 # New prompts travel in a flat buffer of a power-of-two size, at least this many tokens: few shapes of
@@ -107,6 +108,7 @@ class Stats:
     bucket_steps: dict[str, int] = field(default_factory=dict)  # steps per program: token bucket, "lean " ones
     lean_misses: int = 0            # lean steps that found a block to move (the full step ran after)
     array_steps: int = 0            # decode-only steps planned and booked with arrays, not per request
+    multi_step_calls: int = 0       # programs that ran several decode steps (``decode_steps > 1``)
     seconds: float = 0.0            # in ``step()``
     device_seconds: float = 0.0     # ... from the first program's dispatch to the report's arrival
 
@@ -149,15 +151,23 @@ class Engine:
     ``mesh`` (``hkv_jax.sharding.make_mesh``: axes ``data`` and ``model``): serve tensor-parallel over its
     ``model`` axis (weights split Megatron-style, the KV pool split by KV head where the heads divide,
     the allocator replicated; see ``hkv_jax.sharding``). The results equal a single-device engine's.
+
+    ``decode_steps``: while every running request decodes and no waiting one can start, one call of
+    ``step()`` runs up to this many decode steps in one program (one dispatch and one report read for
+    all of them; it stops early at a finished or refused request), returns the tokens of all of them,
+    and leaves the last one's logits in ``last_output``. The tokens and the states equal those of single
+    steps. 1 (the default) runs one step per call.
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int = 16, max_requests: int = 8,
                  max_model_len: int = 256, token_budget: int = 64, policy: str = "vllm",
                  impl: str = "auto", seed: int = 0, prefix_caching: bool = True,
                  window_aware_eviction: bool = False, vectorised: bool = True,
-                 token_buckets: tuple[int, ...] | None = None, mesh: jax.sharding.Mesh | None = None):
+                 token_buckets: tuple[int, ...] | None = None, mesh: jax.sharding.Mesh | None = None,
+                 decode_steps: int = 1):
         for name, value in (("token_budget", token_budget), ("max_requests", max_requests),
-                            ("max_model_len", max_model_len), ("block_size", block_size)):
+                            ("max_model_len", max_model_len), ("block_size", block_size),
+                            ("decode_steps", decode_steps)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         buckets = sorted(set(token_buckets or (min(max_requests, token_budget), token_budget)))
@@ -184,6 +194,7 @@ class Engine:
         self.statics = [StepStatic(graphdef, params_def, self.layout, b, impl, vectorised) for b in buckets]
         self._lean = [replace(s, lean=True) for s in self.statics]
         self.vectorised = vectorised
+        self.decode_steps = decode_steps if vectorised else 1  # the per-request engine: one step a call
         # Slots whose next decode only counts a token (the last report's ``idle_next``).
         self._idle_next = np.zeros(max_requests, bool)
         # Committed to their devices from the start, as a checkpoint restores them: a restored state then
@@ -322,7 +333,8 @@ class Engine:
         return Changes(free=free, preempt=preempt, slots=slots, prompts=buffer, lens=lens, salts=salts)
 
     def step(self) -> list[tuple[int, int]]:
-        """Run one step; returns the (request id, token) pairs sampled in it."""
+        """Run one step (up to ``decode_steps`` decode steps: see the class); returns the (request id, token)
+        pairs sampled in it."""
         t0 = time.perf_counter()
         plan, changes, order, admit, decoding, running = self._plan()
         if not order and changes is None:
@@ -343,25 +355,39 @@ class Engine:
             self.stats.device_seconds += t - t_dispatch
             self.stats.seconds += t - t0
             return []
-        # A decode step whose requests the last report found idle runs the lean program (checked there:
-        # if a block would move after all, it applies nothing and the full step runs).
         k = len(order)
-        slots = plan.slots[:k]
-        lean = decoding == k and changes is None and self.vectorised and bool(self._idle_next[slots].all())
-        report = self._run(plan, lean)[:, :k]
+        d = self._decoding
+        if (self.decode_steps > 1 and order is getattr(d, "rids", None)
+                and (not self.waiting or k in (self.layout.max_requests, self.token_budget))):
+            reports = self._run_decode_steps(plan, d)[:, :, :k]  # no step of them could admit a request
+        else:
+            # A decode step whose requests the last report found idle runs the lean program (checked
+            # there: if a block would move after all, it applies nothing and the full step runs).
+            slots = plan.slots[:k]
+            lean = decoding == k and changes is None and self.vectorised and bool(self._idle_next[slots].all())
+            reports = self._run(plan, lean)[None, :, :k]
         self._last_order, self._last_rows = order, None
         self.stats.device_seconds += time.perf_counter() - t_dispatch
-        self._idle_next[:] = False
-        self._idle_next[slots[report[5] != 0]] = True
-        d = self._decoding
-        if (order is getattr(d, "rids", None) and report[0].all() and report[3].all() and (report[1] == 1).all()
-                and not report[2].any()):
-            events = self._book_decodes(d, report[4])
-            self.stats.array_steps += 1
-        else:
-            events = self._book(order, running, plan, report)
-        self.stats.steps += 1
+        events = self._apply(order, running, plan, reports)
         self.stats.seconds += time.perf_counter() - t0
+        return events
+
+    def _apply(self, order: list[int], running: int, plan: StepPlan, reports: np.ndarray) -> list[tuple[int, int]]:
+        """Book the reports of consecutive steps of one plan (``i32[steps, 6, len(order)]``); returns their
+        sampled (request id, token) pairs in step order. The leading steps that decoded every request of
+        the decode-only record, each allocated and sampled, are booked at once with arrays."""
+        self._idle_next[:] = False
+        self._idle_next[plan.slots[:len(order)][reports[-1, 5] != 0]] = True
+        d = self._decoding
+        clean = 0
+        if order is getattr(d, "rids", None):
+            ok = reports[:, 0].all(1) & reports[:, 3].all(1) & (reports[:, 1] == 1).all(1) & ~reports[:, 2].any(1)
+            clean = len(ok) if ok.all() else int(ok.argmin())
+        events = self._book_decodes(d, reports[:clean, 4]) if clean else []
+        self.stats.steps += len(reports)
+        self.stats.array_steps += clean
+        for report in reports[clean:]:  # at most one: a window stops at the first step the host must see
+            events += self._book(order, running, plan, report)
         return events
 
     def _book(self, order: list[int], running: int, plan: StepPlan, report: np.ndarray) -> list[tuple[int, int]]:
@@ -402,19 +428,21 @@ class Engine:
         return events
 
     def _book_decodes(self, d: _Decoding, tokens: np.ndarray) -> list[tuple[int, int]]:
-        """``_book`` for a step that decoded every running request (``d``), each allocated and sampled:
-        the finished ones found with array operations."""
-        toks = tokens.tolist()
-        for r, tok in zip(d.requests, toks):
-            r.computed += 1
-            r.generated.append(tok)
-        events = list(zip(d.rids, toks))
-        self.stats.tokens_computed += len(toks)
-        self.stats.generated += len(toks)
-        d.tokens_left -= 1
+        """``_book`` for ``k`` steps that decoded every running request (``d``), each allocated and sampled
+        (``tokens: i32[k, n]``; only the last step may finish a request): the finished ones found with
+        array operations."""
+        k = tokens.shape[0]
+        for r, toks in zip(d.requests, tokens.T.tolist()):
+            r.computed += k
+            r.generated += toks
+        events = list(zip(d.rids * k, tokens.ravel().tolist()))
+        self.stats.tokens_computed += len(events)
+        self.stats.generated += len(events)
+        d.tokens_left -= k
         done = d.tokens_left <= 0
-        for i in np.flatnonzero(np.isin(tokens, d.stops)):
-            done[i] |= toks[i] in d.requests[i].stop
+        last = tokens[-1]
+        for i in np.flatnonzero(np.isin(last, d.stops)).tolist():
+            done[i] |= int(last[i]) in d.requests[i].stop
         if done.any():
             for i in np.flatnonzero(done).tolist():
                 r = d.requests[i]
@@ -449,6 +477,29 @@ class Engine:
         self.stats.bucket_steps[key] = self.stats.bucket_steps.get(key, 0) + 1
         self.last_output = out  # stays on the device; the host reads only its report
         return report
+
+    def _run_decode_steps(self, plan: StepPlan, d: _Decoding) -> np.ndarray:
+        """Up to ``decode_steps`` decode steps of ``plan`` (every request of ``d`` decodes) in one program:
+        the reports of the steps it ran, ``i32[steps, 6, R]``."""
+        R, n = self.layout.max_requests, len(d.rids)
+        left = np.zeros(R, np.int32)
+        left[:n] = d.tokens_left
+        stops = np.full(1 << max(len(d.stops) - 1, 0).bit_length(), -1, np.int32)  # few shapes
+        stops[:len(d.stops)] = d.stops
+        static = next(s for s in self.statics if s.token_budget >= n)
+        with self._on_mesh():
+            self.state, out = _DECODE_STEPS(static, self.decode_steps, self.params, self.state, plan, left, stops)
+        self.stats.host_to_device_bytes += _nbytes((plan, left, stops))
+        self.stats.device_to_host += 1
+        self.stats.multi_step_calls += 1
+        reports = np.asarray(out.report)
+        reports = reports[reports[:, 0, 0] >= 0]  # the steps run
+        if not len(reports):  # the first step needs the allocator's sequential fallback: the full step runs
+            return self._run(plan, lean=False)[None]
+        key = f"multi-step {static.token_budget}"
+        self.stats.bucket_steps[key] = self.stats.bucket_steps.get(key, 0) + len(reports)
+        self.last_output = out
+        return reports
 
     @property
     def last_rows(self) -> dict[int, int]:
@@ -506,8 +557,9 @@ class Engine:
 
     @staticmethod
     def compilations() -> int:
-        """Step programs compiled in this process (one per model graph, allocator layout and token bucket)."""
-        return _STEP._cache_size()
+        """Step programs compiled in this process (one per model graph, allocator layout and token bucket,
+        plus the multi-step decode programs of engines with ``decode_steps > 1``)."""
+        return _STEP._cache_size() + _DECODE_STEPS._cache_size()
 
     # --- snapshots ------------------------------------------------------------------------
 

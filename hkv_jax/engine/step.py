@@ -1,6 +1,6 @@
 """The jitted serving step: everything after the host's scheduling decision, on the device.
 
-Two programs, both with the allocator state donated:
+The programs, each with the state donated:
 
 - ``prepare(layout, alloc, changes)`` frees and preempts what the host asks and
   admits new requests (their prompts in one flat buffer whose size is rounded
@@ -13,6 +13,9 @@ Two programs, both with the allocator state donated:
   paged forward (KV write + attention for every group), computes logits only
   where a token is sampled, samples (greedy without a sort; temperature +
   top-p), and appends the sampled tokens.
+- ``decode_steps(static, steps, params, state, plan, left, stops)`` runs up to
+  ``steps`` decode steps of one plan in a ``while_loop`` (``Engine(decode_steps=K)``),
+  stopping at the first step the host must look at.
 
 A decode step where no request takes, fills or releases a block (most decode steps: each report
 says which requests' next decode is such) runs a lean variant of the step (``StepStatic.lean``):
@@ -26,12 +29,12 @@ compute a chunk (``schedule_batch`` over those lanes only), then waiting ones
 ``vectorised=False`` runs every stage request by request (``schedule`` per
 request, one ``free`` / ``add_request`` / ``append_token`` each): the exact
 statement the vectorised path is tested against. The host reads back one
-``i32[5, R]`` array per step (``StepOutput.report``).
+``i32[6, R]`` array per step (``StepOutput.report``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -247,19 +250,25 @@ def _schedule_vectorised(layout: Layout, alloc: AllocatorState, slots, want):
     return alloc, ok, n, hit
 
 
-def step(static: StepStatic, params: list[jax.Array], state: EngineState, plan: StepPlan):
-    """One serving step (jit with ``static`` static and ``state`` donated): ``(state, StepOutput)``.
-    ``params``: the model's parameters as the leaves of ``static.params_def``."""
-    layout, budget = static.layout, static.token_budget
-    slot_of, active = jnp.maximum(plan.slots, 0), plan.want > 0
+def _allocate(static: StepStatic, alloc: AllocatorState, slot_of, want):
+    """The allocator's part of a step: ``(alloc, ok, n, hit)`` per lane (``static.lean``: only count the
+    tokens, applying nothing unless every lane is idle)."""
+    layout = static.layout
     if static.lean:
-        alloc, lane_idle = ops.count_if_idle(layout, state.alloc, slot_of, active)
+        active = want > 0
+        alloc, lane_idle = ops.count_if_idle(layout, alloc, slot_of, active)
         ok = active & jnp.all(lane_idle | ~active)
-        n, hit = ok.astype(jnp.int32), jnp.zeros_like(slot_of)
-    else:
-        alloc = ops.new_step(layout, state.alloc)
-        schedule = _schedule_vectorised if static.vectorised else _schedule_sequential
-        alloc, ok, n, hit = schedule(layout, alloc, slot_of, plan.want)
+        return alloc, ok, ok.astype(jnp.int32), jnp.zeros_like(slot_of)
+    alloc = ops.new_step(layout, alloc)
+    schedule = _schedule_vectorised if static.vectorised else _schedule_sequential
+    return schedule(layout, alloc, slot_of, want)
+
+
+def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, plan: StepPlan, alloc, ok, n, hit):
+    """The rest of a step once the allocator ran (``alloc`` and its lanes' ``ok, n, hit``): metadata, the
+    model's paged forward, sampling and the token append: ``(state, StepOutput)``."""
+    layout, budget = static.layout, static.token_budget
+    slot_of = jnp.maximum(plan.slots, 0)
     n = jnp.where(ok, n, 0)
     start = jnp.where(ok, alloc.num_computed[slot_of] - n, 0)
 
@@ -292,3 +301,51 @@ def step(static: StepStatic, params: list[jax.Array], state: EngineState, plan: 
                         jnp.where(do_sample, new_tokens, -1), idle_next.astype(jnp.int32)])
     return EngineState(alloc, cache, key), StepOutput(report=report, logits=logits)
 
+
+def step(static: StepStatic, params: list[jax.Array], state: EngineState, plan: StepPlan):
+    """One serving step (jit with ``static`` static and ``state`` donated): ``(state, StepOutput)``.
+    ``params``: the model's parameters as the leaves of ``static.params_def``."""
+    alloc, ok, n, hit = _allocate(static, state.alloc, jnp.maximum(plan.slots, 0), plan.want)
+    return _compute(static, params, state, plan, alloc, ok, n, hit)
+
+
+def decode_steps(static: StepStatic, steps: int, params: list[jax.Array], state: EngineState, plan: StepPlan,
+                 left: jax.Array, stops: jax.Array):
+    """Up to ``steps`` decode steps of ``plan`` in one program (jit with ``static`` and ``steps`` static,
+    ``state`` donated): every planned request, running, decodes one token per step. The allocator part
+    of each is ``decode_step`` without its sequential fallback, so the states and reports equal those of
+    as many ``step`` calls.
+
+    It stops after a step the host must look at: a lane refused or not sampled, a lane's last token
+    (``left: i32[R]``: tokens each planned lane may still generate) or a token in ``stops: i32[S]``
+    (every stop token of the planned requests, -1 padded); and before a step that needs the fallback
+    (that step does not run: the caller runs it with ``step``). Returns ``(state, StepOutput)``:
+    ``report: i32[steps, 6, R]``, one report per step run (-1 everywhere for the others), and the last
+    step's ``logits``.
+    """
+    layout = static.layout
+    slot_of, active = jnp.maximum(plan.slots, 0), plan.want > 0
+
+    def body(carry):
+        i, state, reports, logits, _ = carry
+        alloc = ops.new_step(layout, state.alloc)
+        alloc, ok, path = ops.decode_step(layout, alloc, slot_of, fallback=False, mask=active)
+        ran = path != 3  # the fallback's steps: this one does not run (decode_step applied nothing)
+
+        def run():
+            return _compute(static, params, state, plan, alloc, ok, ok.astype(jnp.int32), jnp.zeros_like(slot_of))
+
+        # The skipped step returns ``alloc`` too (unchanged but for ``new_step``, which the full step
+        # repeats): the state before it is then dead, and XLA updates the pool and cache in place.
+        skip = (replace(state, alloc=alloc), StepOutput(jnp.full_like(reports[0], -1), logits))
+        state, out = jax.lax.cond(ran, run, lambda: skip)
+        sampled, tokens = out.report[3] != 0, out.report[4]
+        go = ran & (i + 1 < steps) & jnp.all(~active | (sampled & (left > i + 1) & ~jnp.isin(tokens, stops)))
+        return i + 1, state, reports.at[i].set(out.report), out.logits, go
+
+    reports = jnp.full((steps, len(REPORT_ROWS), plan.slots.shape[0]), -1, jnp.int32)
+    logits = jax.eval_shape(lambda: _compute(static, params, state, plan, state.alloc, active, plan.want,
+                                             plan.want)[1].logits)
+    carry = (jnp.int32(0), state, reports, jnp.zeros(logits.shape, logits.dtype), jnp.bool_(True))
+    _, state, reports, logits, _ = jax.lax.while_loop(lambda c: c[4], body, carry)
+    return state, StepOutput(report=reports, logits=logits)
