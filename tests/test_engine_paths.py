@@ -131,6 +131,4 @@ def test_multi_step_decoding_equals_single_steps():
         assert not single.has_work
     assert {rid: r.generated for rid, r in multi.requests.items()} == \
         {rid: r.generated for rid, r in single.requests.items()}
-    print("calls", calls, "steps", multi.stats.steps, multi.stats.preemptions, multi.stats.multi_step_calls,
-          multi.stats.bucket_steps, [len(r.generated) for r in multi.requests.values()])
     assert multi.stats.multi_step_calls > 0 and calls < multi.stats.steps

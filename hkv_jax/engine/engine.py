@@ -453,10 +453,14 @@ class Engine:
             self.running = [d.rids[i] for i in keep]
         return events
 
+    def _bucket(self, tokens: int) -> int:
+        """Index of the smallest token bucket (``self.statics``) that holds ``tokens``."""
+        return next(i for i, s in enumerate(self.statics) if s.token_budget >= tokens)
+
     def _run(self, plan: StepPlan, lean: bool) -> np.ndarray:
         """The step program(s) for ``plan`` (the lean one first when ``lean``): the report read back."""
         tokens = int(plan.want.sum())
-        bucket = next(i for i, s in enumerate(self.statics) if s.token_budget >= tokens)
+        bucket = self._bucket(tokens)
         for static in ([self._lean[bucket]] if lean else []) + [self.statics[bucket]]:
             if static.lean:  # it reads and writes neither the block pool nor the prefix cache: not passed
                 kept = self.state.alloc
@@ -486,7 +490,7 @@ class Engine:
         left[:n] = d.tokens_left
         stops = np.full(1 << max(len(d.stops) - 1, 0).bit_length(), -1, np.int32)  # few shapes
         stops[:len(d.stops)] = d.stops
-        static = next(s for s in self.statics if s.token_budget >= n)
+        static = self.statics[self._bucket(n)]
         with self._on_mesh():
             self.state, out = _DECODE_STEPS(static, self.decode_steps, self.params, self.state, plan, left, stops)
         self.stats.host_to_device_bytes += _nbytes((plan, left, stops))
