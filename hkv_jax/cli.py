@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from hkv_jax.models import layers_from_hf_config, resolve_model
 from hkv_jax.models.hf_config import text_config
+from hkv_jax.models.quant import QUANTIZE
 from hkv_jax.planner import DEFAULT_POLICY, POLICIES
 from hkv_jax.report import compare_policies, parse_bytes, plan_json, render_table
 
@@ -74,31 +75,45 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hkv_jax.demo import DemoConfig, default_model, main_demo
+    from hkv_jax.models.pretrained import is_pretrained
 
-    _positive(args, "requests", "num_blocks", "max_model_len", "max_requests", "token_budget")
+    _positive(args, "requests", "num_blocks", "max_model_len", "max_requests", "token_budget", "decode_steps")
     if args.seed < 0:
         raise CliError(f"--seed must be >= 0, got {args.seed}")
     sizes = {k: getattr(args, k) for k in ("num_blocks", "max_model_len", "max_requests", "token_budget")
              if getattr(args, k) is not None}
-    cfg = replace(DemoConfig(model=args.model or default_model(), requests=args.requests, seed=args.seed,
-                             window_aware_eviction=args.window_aware_eviction), **sizes)
+    model = args.model or default_model()
+    if args.quantize and not is_pretrained(model):
+        raise CliError(f"--quantize needs a real model (gemma-3-270m, a .gguf file or a checkpoint), not {model}")
+    cfg = replace(DemoConfig(model=model, requests=args.requests, seed=args.seed,
+                             window_aware_eviction=args.window_aware_eviction, quantize=args.quantize,
+                             decode_steps=args.decode_steps), **sizes)
     return main_demo(cfg, as_json=args.json)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from hkv_jax.generate import GenerateConfig, generate
 
-    _positive(args, "max_new_tokens")
+    _positive(args, "max_new_tokens", "decode_steps")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise CliError("--temperature must be >= 0 and --top-p in (0, 1]")
     if not args.prompt.strip():
         raise CliError("the prompt is empty")
     cfg = GenerateConfig(model=args.model, max_new_tokens=args.max_new_tokens, chat=not args.raw,
-                         temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+                         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                         quantize=args.quantize, decode_steps=args.decode_steps)
     result = generate(cfg, args.prompt, progress=not args.json, out=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result, indent=1, ensure_ascii=False))
     return 0
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    """The serving options ``demo`` and ``generate`` share."""
+    p.add_argument("--quantize", choices=QUANTIZE, help="int8 weights for a real model's linear layers and output "
+                                                        "(faster on a CPU; generations drift from float32's)")
+    p.add_argument("--decode-steps", type=int, default=1,
+                   help="decode steps per compiled program while every request decodes (default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--token-budget", type=int, help="tokens computed per step (default 64)")
     d.add_argument("--window-aware-eviction", action="store_true",
                    help="blocks leaving a sliding window go to the front of the free queue (our policy)")
+    _engine_options(d)
     d.set_defaults(func=_cmd_demo)
     g = sub.add_parser("generate", help="stream a real model's answer to a prompt")
     g.add_argument("prompt", help="the user message (wrapped in the chat template unless --raw)")
@@ -153,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--json", action="store_true", help="print ids, text and timings as JSON (text streams to stderr)")
+    _engine_options(g)
     g.set_defaults(func=_cmd_generate)
     return parser
 

@@ -64,6 +64,8 @@ class DemoConfig:
     max_model_len: int | None = None   # default: 256 for a tiny model, 512 for a real one
     seed: int = 0
     window_aware_eviction: bool = False
+    quantize: str | None = None        # "int8" (a real model only): int8 weights
+    decode_steps: int = 1              # decode steps per program (Engine(decode_steps=...))
 
 
 def default_model() -> str:
@@ -81,19 +83,21 @@ def build_engine(cfg: DemoConfig):
     """The model and its engine: ``(engine, codec)``; ``codec`` is ``None`` for a tiny model (random weights
     from ``seed``), whose workload is token ids."""
     if is_pretrained(cfg.model):
-        model, codec = load_pretrained(cfg.model)
+        model, codec = load_pretrained(cfg.model, quantize=cfg.quantize)
         return engine_for(model, cfg.max_model_len or 512, num_blocks=cfg.num_blocks, max_requests=cfg.max_requests, block_size=cfg.block_size,
-                          token_budget=cfg.token_budget, seed=cfg.seed,
+                          token_budget=cfg.token_budget, seed=cfg.seed, decode_steps=cfg.decode_steps,
                           window_aware_eviction=cfg.window_aware_eviction), codec
     if cfg.model not in TINY_MODELS:
         raise ValueError(f"unknown demo model {cfg.model!r}; choose {DEFAULT_REAL} or one of {', '.join(TINY_MODELS)}")
+    if cfg.quantize is not None:
+        raise ValueError(f"quantize={cfg.quantize!r} needs a real model, not {cfg.model}")
     _, config = resolve_model(cfg.model)
     model = TinyLM(TinyConfig.from_hf(config), nnx.Rngs(cfg.seed))
     return Engine(model, num_blocks=cfg.num_blocks or 160, block_size=cfg.block_size,
                   max_requests=cfg.max_requests, max_model_len=cfg.max_model_len or 256, token_budget=cfg.token_budget, seed=cfg.seed,
                   # One step program: a tiny model's decode steps gain little from their own, and each
                   # program costs tens of seconds to compile on a CPU.
-                  token_buckets=(cfg.token_budget,),
+                  token_buckets=(cfg.token_budget,), decode_steps=cfg.decode_steps,
                   window_aware_eviction=cfg.window_aware_eviction), None
 
 

@@ -31,6 +31,8 @@ class GenerateConfig:
     block_size: int = 16
     token_budget: int = 256
     kv_dtype: str = "float32"
+    quantize: str | None = None   # "int8": int8 weights (hkv_jax.models.quant)
+    decode_steps: int = 1         # decode steps per program (Engine(decode_steps=...))
     seed: int = 0
 
 
@@ -52,10 +54,10 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
     if cfg.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be positive, got {cfg.max_new_tokens}")
     t0 = time.perf_counter()
-    model, codec = load_pretrained(cfg.model, kv_dtype=cfg.kv_dtype, progress=progress)
+    model, codec = load_pretrained(cfg.model, kv_dtype=cfg.kv_dtype, quantize=cfg.quantize, progress=progress)
     ids = codec.encode(CHAT_TEMPLATE.format(prompt) if cfg.chat else prompt)
     engine = engine_for(model, len(ids) + cfg.max_new_tokens, block_size=cfg.block_size,
-                        token_budget=cfg.token_budget, seed=cfg.seed)
+                        token_budget=cfg.token_budget, seed=cfg.seed, decode_steps=cfg.decode_steps)
     engine.temperature, engine.top_p = cfg.temperature, cfg.top_p
     rid = engine.add_request(ids, cfg.max_new_tokens, stop=codec.eos_ids)
     load_s = time.perf_counter() - t0

@@ -182,13 +182,16 @@ class Gemma3LM(nnx.Module):
                                       dtype=cfg.param_dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(len(cfg.layers))])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
+        self.lm_head = None  # tied to embed_tokens; an int8 copy after ``quant.quantize_model``
 
     def _embed(self, tokens):
         x = self.embed_tokens(tokens)
         return x * jnp.asarray(math.sqrt(self.cfg.hidden_size), x.dtype)
 
     def _logits(self, x):
-        return capped(self.embed_tokens.attend(self.norm(x)).astype(jnp.float32), self.cfg.final_soft_cap)
+        x = self.norm(x)
+        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        return capped(logits.astype(jnp.float32), self.cfg.final_soft_cap)
 
     def dense(self, tokens: jax.Array) -> jax.Array:
         """Logits ``f32[L, vocab]`` of one whole sequence, without any cache."""

@@ -44,9 +44,10 @@ def pretrained_path(model: str) -> Path:
     return path
 
 
-def load_pretrained(model: str, *, kv_dtype: str = "float32", progress: bool = True
-                    ) -> tuple[Gemma3LM, TextCodec]:
-    """``(model, codec)`` for a pretrained name or path (see the module docstring)."""
+def load_pretrained(model: str, *, kv_dtype: str = "float32", quantize: str | None = None,
+                    progress: bool = True) -> tuple[Gemma3LM, TextCodec]:
+    """``(model, codec)`` for a pretrained name or path (see the module docstring); ``quantize``: as
+    ``load_gemma3``."""
     path = pretrained_path(model)
     if path.suffix == ".gguf":
         tokenizer = tokenizer_from_gguf(path)
@@ -60,4 +61,4 @@ def load_pretrained(model: str, *, kv_dtype: str = "float32", progress: bool = T
         eos = config.get("eos_token_id", 1)
         codec = gemma_codec(Tokenizer.from_file(str(path / "tokenizer.json")), bos_id=config.get("bos_token_id", 2),
                             eos_id=eos[0] if isinstance(eos, list) else eos)
-    return load_gemma3(path, kv_dtype=kv_dtype, progress=progress), codec
+    return load_gemma3(path, kv_dtype=kv_dtype, quantize=quantize, progress=progress), codec

@@ -28,6 +28,7 @@ from flax import nnx
 
 from hkv_jax.models.gemma3 import Gemma3Config, Gemma3LM
 from hkv_jax.models.gguf_file import GGUFFile
+from hkv_jax.models.quant import check_quantize, quantize_model
 
 # GGUF per-layer tensor name -> Hugging Face name after ``model.layers.{i}.``.
 _GGUF_LAYER_NAMES = {
@@ -160,11 +161,15 @@ def build_gemma3(cfg: Gemma3Config, weights: Mapping[str, np.ndarray]) -> Gemma3
 
 
 def load_gemma3(path: str | Path, *, kv_dtype: str = "float32", param_dtype: str = "float32",
-                progress: bool = True) -> Gemma3LM:
-    """A Gemma 3 model from a ``.gguf`` file or a Hugging Face directory (KV cache in ``kv_dtype``)."""
+                quantize: str | None = None, progress: bool = True) -> Gemma3LM:
+    """A Gemma 3 model from a ``.gguf`` file or a Hugging Face directory (KV cache in ``kv_dtype``).
+
+    ``quantize="int8"``: int8 linear layers and output projection (``hkv_jax.models.quant``)."""
     path = Path(path)
+    check_quantize(quantize)  # before the slow read
     if not path.exists():
         raise ValueError(f"no such model file or directory: {path}")
     config, weights = read_gguf(path, progress=progress) if path.suffix == ".gguf" else read_hf_dir(
         path, progress=progress)
-    return build_gemma3(Gemma3Config.from_hf(config, kv_dtype=kv_dtype, param_dtype=param_dtype), weights)
+    model = build_gemma3(Gemma3Config.from_hf(config, kv_dtype=kv_dtype, param_dtype=param_dtype), weights)
+    return model if quantize is None else quantize_model(model, quantize)
