@@ -64,6 +64,10 @@ def param_spec(path, shape: tuple[int, ...], cfg, model_shards: int) -> P:
         dim, field = _SPLITS[names[-2]]
         if getattr(cfg, field, 0) % model_shards == 0:
             return P(None, "model") if dim == _COLUMN else P("model", None)
+    if names[-1] == "scale" and names[-2] in _SPLITS and len(shape) == 1:  # an Int8Linear's per-column scales
+        dim, field = _SPLITS[names[-2]]
+        if dim == _COLUMN and getattr(cfg, field, 0) % model_shards == 0:
+            return P("model")
     if names[-1] == "sinks" and getattr(cfg, "num_heads", 0) % model_shards == 0:
         return P("model")
     return P()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -56,6 +57,29 @@ def test_tensors_holding_an_unsplittable_layer_stay_whole(layers):
     assert 1 in layout.shards
     with pytest.raises(ValueError, match="model_shards"):
         CacheLayout.from_config(config, model_shards=0)
+
+
+def test_int8_scales_split_with_their_columns():
+    from flax import nnx
+
+    from hkv_jax.models.gemma3 import Gemma3Config
+    from hkv_jax.models.quant import quantize_model
+    from hkv_jax.models.weights import build_gemma3
+    from hkv_jax.sharding import _path_names, param_spec
+    from test_gemma3 import SMALL, _small_checkpoint
+
+    cfg = Gemma3Config.from_hf(SMALL)  # 4 query heads, 2 KV heads, intermediate size 48
+    model = quantize_model(build_gemma3(cfg, _small_checkpoint(np.random.default_rng(0))), "int8")
+    specs = {"/".join(_path_names(path)): param_spec(path, x.shape, cfg, 2)
+             for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+    P = jax.sharding.PartitionSpec
+    want = {"q_proj": (P(None, "model"), P("model")), "k_proj": (P(None, "model"), P("model")),
+            "up_proj": (P(None, "model"), P("model")), "o_proj": (P("model", None), P()),
+            "down_proj": (P("model", None), P())}
+    for name, (kernel, scale) in want.items():
+        got = {k.rsplit("/", 1)[1]: v for k, v in specs.items() if f"/{name}/" in k and k.startswith("layers/0/")}
+        assert got == {"kernel": kernel, "scale": scale}, (name, got)
+    assert specs["lm_head/scale"] == P() and specs["lm_head/kernel"] == P()
 
 
 def test_plan_tp_reports_what_one_device_holds(capsys):
