@@ -3,7 +3,8 @@ XLA operation kind (``ynn_fusion``, ``copy``, ``while``, ...).
 
 Workload: C requests of the first ``--prompt-tokens`` tokens of the reference prompts
 (``tests/data/gemma3_270m_reference.json``, cycled), each generating up to 200 tokens; after
-``--warm-up`` untimed steps (prefill and compiles), ``--steps`` decode steps are traced. Prints the wall
+``--warm-up`` untimed steps (prefill and compiles; more until a step compiles nothing), ``--steps``
+decode steps are traced. Prints the wall
 time per step and, per operation kind, milliseconds and events per step. Events of the thunk executor
 overlap when it runs thunks side by side, so their sum can exceed the wall time.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import jax
 
+from hkv_jax.engine import Engine
 from hkv_jax.generate import engine_for
 from hkv_jax.models.pretrained import load_pretrained
 from hkv_jax.models.quant import QUANTIZE
@@ -65,8 +67,12 @@ def main(argv=None) -> int:
                         token_budget=args.token_budget, decode_steps=args.decode_steps)
     for i in range(args.concurrency):
         engine.add_request(prompts[i % len(prompts)], 200)
-    while engine.stats.steps < args.warm_up:
+    fresh = True  # until a step compiles nothing: compiles would swamp the trace
+    while engine.stats.steps < args.warm_up or fresh:
+        compiled = Engine.compilations()
         engine.step()
+        fresh = Engine.compilations() != compiled
+    compiled = Engine.compilations()
     trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="hkv_profile_")
     jax.profiler.start_trace(trace_dir)
     s0, t0 = engine.stats.steps, time.perf_counter()
@@ -75,6 +81,8 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t0
     jax.profiler.stop_trace()
     n = engine.stats.steps - s0
+    if Engine.compilations() != compiled:
+        print("warning: the traced steps compiled a program (raise --warm-up)", file=sys.stderr)
     ops = sorted(op_times(trace_dir).items(), key=lambda kv: -kv[1][0])
     result = {"concurrency": args.concurrency, "decode_steps": args.decode_steps, "quantize": args.quantize,
               "steps": n, "wall_ms_per_step": round(wall / n * 1e3, 1),
