@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from hkv_jax.models.gemma3 import Gemma3Config
 from hkv_jax.models.weights import build_gemma3, load_gemma3
@@ -120,6 +121,16 @@ def test_an_int8_model_serves_like_its_uncached_forward_near_the_float32_one():
     before = np.asarray(model.dense(tokens))
     with pytest.raises(ValueError, match="unknown quantize 'int4'"):
         quantize_model(model, "int4")
+
+    class Biased(nnx.Module):  # refused as a whole: the bias-free layer before it is left as it was
+        def __init__(self):
+            self.a = nnx.Linear(4, 4, use_bias=False, rngs=nnx.Rngs(0))
+            self.b = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+
+    biased = Biased()
+    with pytest.raises(ValueError, match="Biased.b: a linear layer with a bias"):
+        quantize_model(biased, "int8")
+    assert isinstance(biased.a, nnx.Linear)
     quantize_model(model, "int8")
     assert isinstance(model.layers[1].mlp.down_proj, Int8Linear) and isinstance(model.lm_head, Int8Linear)
     after = np.asarray(model.dense(tokens))
