@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from hkv_jax.models import layers_from_hf_config, resolve_model
 from hkv_jax.models.hf_config import text_config
@@ -73,6 +75,22 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def use_compilation_cache() -> str | None:
+    """Keep compiled programs across runs of ``generate`` and ``demo`` (JAX's persistent compilation
+    cache), so a second run skips most of the first one's minute of compiling; returns the directory.
+
+    ``$HKV_COMPILATION_CACHE`` names it (empty: off), by default ``~/.cache/hkv_jax/xla``; JAX's own
+    ``JAX_COMPILATION_CACHE_DIR``, when set, is left in charge."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    path = os.environ.get("HKV_COMPILATION_CACHE", str(Path.home() / ".cache" / "hkv_jax" / "xla"))
+    if path:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", path)
+    return path or None
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hkv_jax.demo import DemoConfig, default_model, main_demo
     from hkv_jax.models.pretrained import is_pretrained
@@ -88,6 +106,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     cfg = replace(DemoConfig(model=model, requests=args.requests, seed=args.seed,
                              window_aware_eviction=args.window_aware_eviction, quantize=args.quantize,
                              decode_steps=args.decode_steps), **sizes)
+    use_compilation_cache()
     return main_demo(cfg, as_json=args.json)
 
 
@@ -102,6 +121,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     cfg = GenerateConfig(model=args.model, max_new_tokens=args.max_new_tokens, chat=not args.raw,
                          temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                          quantize=args.quantize, decode_steps=args.decode_steps)
+    use_compilation_cache()
     result = generate(cfg, args.prompt, progress=not args.json, out=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(result, indent=1, ensure_ascii=False))

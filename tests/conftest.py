@@ -9,6 +9,8 @@ from pathlib import Path
 # The suite's time goes mostly to XLA compiles of small programs: compile them at LLVM -O0 (results are
 # the same; the programs run a little slower). Set before jax is imported; subprocesses inherit it.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# The CLI's persistent compilation cache stays off: tests write nothing under the home directory.
+os.environ.setdefault("HKV_COMPILATION_CACHE", "")
 
 
 def _preload_no_jit_eh_frames() -> None:

@@ -105,3 +105,24 @@ def test_without_the_gemma_extra_the_demo_stays_tiny_and_says_how_to_get_the_rea
         pretrained_path("gemma-3-270m")
     assert main(["generate", "hi"]) == 2
     assert "gemma-3-270m is not installed" in capsys.readouterr().err
+
+
+def test_generate_and_demo_keep_compiled_programs_where_the_environment_says(monkeypatch, tmp_path):
+    import jax
+
+    from hkv_jax.cli import use_compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HKV_COMPILATION_CACHE", "")
+    assert use_compilation_cache() is None and jax.config.jax_compilation_cache_dir == before
+    try:
+        monkeypatch.setenv("HKV_COMPILATION_CACHE", str(tmp_path))
+        assert use_compilation_cache() == str(tmp_path) == jax.config.jax_compilation_cache_dir
+        monkeypatch.delenv("HKV_COMPILATION_CACHE")
+        assert use_compilation_cache().endswith("hkv_jax/xla")
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/elsewhere")  # JAX's own setting is left alone
+        jax.config.update("jax_compilation_cache_dir", before)
+        assert use_compilation_cache() == "/elsewhere" and jax.config.jax_compilation_cache_dir == before
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
