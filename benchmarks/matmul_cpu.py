@@ -1,0 +1,84 @@
+"""Float32 against int8 matrix products at Gemma 3 270M's shapes, as XLA compiles them for this machine.
+
+Per shape ``[R, K] x [K, N]`` and row count R: the median of ``--repeats`` timed calls (after one
+warm-up call) of
+- ``float32``: ``x @ w``;
+- ``int8``: ``hkv_jax.models.quant.int8_matmul`` (activations rounded per row; one row padded to two);
+- ``int8 unpadded``: the same product without that padding (one row only), to show why it pads.
+
+Shapes: the output projection ``[R, 640] x [640, 262144]`` and an MLP input ``[R, 640] x [640, 2048]``.
+Run: ``python benchmarks/matmul_cpu.py [--rows 1,2,8,32,128] [--repeats 7] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hkv_jax.models.quant import int8_matmul
+
+SHAPES = {"output projection": (640, 262144), "mlp up": (640, 2048)}
+
+
+def median_ms(f, *args, repeats: int) -> float:
+    """Median wall time of ``f(*args)`` in ms over ``repeats`` calls, after one untimed call."""
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t)
+    return round(sorted(times)[len(times) // 2] * 1e3, 2)
+
+
+def unpadded(x, kernel, scale):
+    """``int8_matmul`` without its one-row padding."""
+    peak = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    x_scale = jnp.where(peak > 0, peak / 127, 1.0)
+    acc = jnp.dot(jnp.round(x / x_scale).astype(jnp.int8), kernel, preferred_element_type=jnp.int32)
+    return acc.astype(jnp.float32) * x_scale * scale
+
+
+def main(argv=None) -> int:
+    """Time and print (``--json``: one JSON object)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,2,8,32,128")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, (k, n) in SHAPES.items():
+        w = jnp.asarray(rng.standard_normal((k, n), np.float32))
+        q = jnp.asarray(rng.integers(-127, 128, (k, n)).astype(np.int8))
+        scale = jnp.ones((n,), jnp.float32)
+        for r in (int(v) for v in args.rows.split(",")):
+            x = jnp.asarray(rng.standard_normal((r, k), np.float32))
+            row = {"shape": name, "k": k, "n": n, "rows": r,
+                   "float32_ms": median_ms(jax.jit(jnp.matmul), x, w, repeats=args.repeats),
+                   "int8_ms": median_ms(jax.jit(int8_matmul), x, q, scale, repeats=args.repeats)}
+            if r == 1:
+                row["int8_unpadded_ms"] = median_ms(jax.jit(unpadded), x, q, scale, repeats=args.repeats)
+            rows.append(row)
+            if not args.json:
+                extra = f", int8 unpadded {row['int8_unpadded_ms']}" if r == 1 else ""
+                print(f"{name} [{r}, {k}] x [{k}, {n}]: float32 {row['float32_ms']} ms, int8 {row['int8_ms']} ms"
+                      f"{extra}", flush=True)
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}"
+    if args.json:
+        print(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    else:
+        print(machine)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
