@@ -110,6 +110,8 @@ def test_int8_matmul_is_the_product_of_the_rounded_operands():
     np.testing.assert_allclose(got, x @ w, atol=0.05 * np.abs(x @ w).max())
     one = np.asarray(int8_matmul(jnp.asarray(x[None, 1:2]), jnp.asarray(q), jnp.asarray(scale)))  # padded
     np.testing.assert_allclose(one, want[None, 1:2], rtol=1e-5, atol=1e-5)
+    stored_out_major = np.asarray(int8_matmul(jnp.asarray(x), jnp.asarray(q.T), jnp.asarray(scale), out_major=True))
+    np.testing.assert_allclose(stored_out_major, want, rtol=1e-5, atol=1e-5)
 
 
 def test_an_int8_model_serves_like_its_uncached_forward_near_the_float32_one():
