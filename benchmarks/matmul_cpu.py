@@ -4,7 +4,7 @@ Per shape ``[R, K] x [K, N]`` and row count R: the median of ``--repeats`` timed
 warm-up call) of
 - ``float32``: ``x @ w``;
 - ``int8``: ``hkv_jax.models.quant.int8_matmul`` (activations rounded per row; one row padded to two);
-- ``int8 unpadded``: the same product without that padding (one row only), to show why it pads.
+- ``int8 unpadded``: the bare one-row int8 product, without that padding, to show why it pads.
 
 Shapes: the output projection ``[R, 640] x [640, 262144]`` and an MLP input ``[R, 640] x [640, 2048]``.
 Run: ``python benchmarks/matmul_cpu.py [--rows 1,2,8,32,128] [--repeats 7] [--json]``.
@@ -39,12 +39,9 @@ def median_ms(f, *args, repeats: int) -> float:
     return round(sorted(times)[len(times) // 2] * 1e3, 2)
 
 
-def unpadded(x, kernel, scale):
-    """``int8_matmul`` without its one-row padding."""
-    peak = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    x_scale = jnp.where(peak > 0, peak / 127, 1.0)
-    acc = jnp.dot(jnp.round(x / x_scale).astype(jnp.int8), kernel, preferred_element_type=jnp.int32)
-    return acc.astype(jnp.float32) * x_scale * scale
+def int8_product(xq, kernel):
+    """The bare int8 x int8 -> int32 product, with no padding (nor rounding) around it."""
+    return jnp.dot(xq, kernel, preferred_element_type=jnp.int32)
 
 
 def main(argv=None) -> int:
@@ -66,7 +63,8 @@ def main(argv=None) -> int:
                    "float32_ms": median_ms(jax.jit(jnp.matmul), x, w, repeats=args.repeats),
                    "int8_ms": median_ms(jax.jit(int8_matmul), x, q, scale, repeats=args.repeats)}
             if r == 1:
-                row["int8_unpadded_ms"] = median_ms(jax.jit(unpadded), x, q, scale, repeats=args.repeats)
+                row["int8_unpadded_ms"] = median_ms(jax.jit(int8_product), x.astype(jnp.int8), q,
+                                                    repeats=args.repeats)
             rows.append(row)
             if not args.json:
                 extra = f", int8 unpadded {row['int8_unpadded_ms']}" if r == 1 else ""

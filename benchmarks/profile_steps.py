@@ -29,8 +29,7 @@ from hkv_jax.engine import Engine
 from hkv_jax.generate import engine_for
 from hkv_jax.models.pretrained import load_pretrained
 from hkv_jax.models.quant import QUANTIZE
-
-REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "data" / "gemma3_270m_reference.json"
+from real_model import REFERENCE
 
 
 def op_times(trace_dir: str) -> collections.Counter:
