@@ -95,10 +95,14 @@ def attention(layer: str, q: jax.Array, k: jax.Array | None, v: jax.Array | None
     if shards > 1:
         raise ValueError(f"layer {layer!r}: its KV is split {shards} ways but no mesh with a 'model' axis "
                          f"of that size is in use (jax.set_mesh)")
-    kv = layer_kv(cache, layer)
+    # Replicated under a mesh: the pages stay whole on every device. Left to itself, GSPMD splits the KV
+    # write by head after the split query heads, then all-gathers the layer's whole pages every step.
+    whole = (lambda x: x) if jax.sharding.get_abstract_mesh().empty else (
+        lambda x: jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec()))
+    kv = whole(layer_kv(cache, layer))
     if k is not None:
-        kv = kernels_pallas.kv_write(kv, k, v, metadata.slot_mappings[slot.group_id],
-                                     impl=impl, interpret=interpret)
+        kv = whole(kernels_pallas.kv_write(kv, whole(k), whole(v), metadata.slot_mappings[slot.group_id],
+                                           impl=impl, interpret=interpret))
         cache = set_layer_kv(cache, layer, kv)
     out = kernels_pallas.paged_attention(
         q, kv, metadata.block_tables[slot.group_id], metadata.query_start_loc, metadata.seq_lens,

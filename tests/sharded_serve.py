@@ -1,8 +1,9 @@
 """Serve a tiny model on one device and on (data, model) meshes; print tokens and allocator state as JSON.
 
 Run by ``tests/test_sharding.py`` in a process of its own with 8 host devices
-(``XLA_FLAGS=--xla_force_host_platform_device_count=8``). Usage: ``sharded_serve.py MODEL DATAxMODEL ...``
-(``1x1``: no mesh, the single-device reference).
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8``). Usage: ``sharded_serve.py MODEL DATAxMODEL ...
+[--attention]`` (``1x1``: no mesh, the single-device reference; ``--attention``: also one attention layer
+under a 2x4 mesh against one device).
 """
 
 from __future__ import annotations
@@ -19,22 +20,25 @@ from flax import nnx
 
 from hkv_jax.engine import Engine
 from hkv_jax.models.presets import resolve_model
+from hkv_jax.models.quant import quantize_model
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 from hkv_jax.sharding import make_mesh
 
 # KV heads that split 4 ways but not 8: the (1, 8) mesh replicates the pool, the (2, 4) mesh splits it.
 # One KV head: its layers keep the whole pool on every device but split their query heads.
-# Each with a pool (blocks) small enough to preempt.
+# Each with a pool (blocks) small enough to preempt, and its weights' quantization (hkv_jax.models.quant).
 MODELS = {
-    "tiny-gptoss-8x4": ("tiny-gptoss", {"num_attention_heads": 8, "num_key_value_heads": 4}, 20),
-    "tiny-gemma3-mqa": ("tiny-gemma3", {"num_key_value_heads": 1}, 50),
+    "tiny-gptoss-8x4": ("tiny-gptoss", {"num_attention_heads": 8, "num_key_value_heads": 4}, 20, None),
+    "tiny-gemma3-mqa": ("tiny-gemma3", {"num_key_value_heads": 1}, 50, None),
+    "tiny-gemma3-8x4-int8": ("tiny-gemma3", {"num_attention_heads": 8, "num_key_value_heads": 4}, 50, "int8"),
 }
 
 
 def model(name: str) -> TinyLM:
     """The named test model (random weights, seed 0)."""
-    base, overrides, _ = MODELS[name]
-    return TinyLM(TinyConfig.from_hf({**resolve_model(base)[1], **overrides}), nnx.Rngs(0))
+    base, overrides, _, quantize = MODELS[name]
+    lm = TinyLM(TinyConfig.from_hf({**resolve_model(base)[1], **overrides}), nnx.Rngs(0))
+    return lm if quantize is None else quantize_model(lm, quantize)
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
@@ -62,12 +66,12 @@ def serve(name: str, mesh) -> dict:
             "preemptions": engine.stats.preemptions,
             "hits": engine.stats.cache_hit_tokens, "alloc": alloc, "pool_specs": [str(s) for s in pool],
             "split_weights": sum(not x.sharding.is_fully_replicated for x in engine.params),
-            "shards": list(engine.state.cache.layout.shards), "pool_shape": "u32[{},{}]".format(
-                *engine.state.cache.buffers[0].shape), "all_gathers": all_gathers(engine)}
+            "shards": list(engine.state.cache.layout.shards), "all_gathers": all_gathers(engine)}
 
 
 def all_gathers(engine: Engine) -> list[str]:
-    """The result shapes of every all-gather in the compiled step program (the pool must not be one)."""
+    """The result shapes of every all-gather in the compiled step program (``f32[20,2,4,8,32]{...}``);
+    one of ``num_blocks`` rows gathers pages of the pool, which must not happen."""
     from hkv_jax.engine.engine import _STEP
     from hkv_jax.engine.step import StepPlan
 
@@ -116,8 +120,8 @@ def attention_errors(shape: tuple[int, int]) -> dict[str, list[float]]:
 
 
 def main(argv: list[str]) -> int:
-    name, shapes = argv[0], argv[1:]
-    runs = {"attention": attention_errors((2, 4))}
+    name, shapes = argv[0], [a for a in argv[1:] if a != "--attention"]
+    runs = {"attention": attention_errors((2, 4))} if "--attention" in argv else {}
     for shape in shapes:
         data, mod = map(int, shape.split("x"))
         t = time.perf_counter()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+import sharded_serve
 from hkv_jax.cache import CacheLayout, init_cache, layer_kv, set_layer_kv
 from hkv_jax.cli import main as cli
 from hkv_jax.planner import plan
@@ -23,6 +25,7 @@ MODEL = "tiny-gptoss-8x4"  # 8 query heads, 4 KV heads: its pool splits over 4 d
 # In one process of 8 devices (1x1: no mesh, the reference); the 2x4 mesh runs over two processes.
 # The data axis only replicates: 2x4 (over two processes) covers it, so no 8x1 run.
 MESHES = ("1x1", "1x8")
+INT8_MODEL = "tiny-gemma3-8x4-int8"  # 8 query heads, 4 KV heads, no biases: int8 weights split like float ones
 
 
 def test_a_split_page_holds_each_devices_heads_in_the_unsplit_layout():
@@ -104,7 +107,7 @@ def _free_port() -> int:
 def test_sharded_engine_equals_one_device_in_one_process_and_across_two(tmp_path):
     """8 host devices in one process (mesh 1x8 against no mesh), and a 2x4 mesh (the pool split 4
     ways) over two processes of 4 devices each (``jax.distributed``, gloo): same tokens, logits, allocator
-    state."""
+    state. A fourth process serves a model with int8 weights on 1x8 against no mesh (``INT8_MODEL``)."""
     def start(args, devices):
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                    PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
@@ -112,26 +115,33 @@ def test_sharded_engine_equals_one_device_in_one_process_and_across_two(tmp_path
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     port = _free_port()
-    procs = [start([HERE / "sharded_serve.py", MODEL, *MESHES], 8)] + [
+    procs = [start([HERE / "sharded_serve.py", MODEL, *MESHES, "--attention"], 8),
+             start([HERE / "sharded_serve.py", INT8_MODEL, *MESHES], 8)] + [
         start([HERE / "distributed_serve.py", i, port, MODEL, "2x4", tmp_path / "two.json"], 4) for i in (0, 1)]
     outs = [p.communicate(timeout=900) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-    print(outs[0][1])
+    print(outs[0][1], outs[1][1])
     runs = json.loads(outs[0][0])
     runs["2x4 over 2 processes"] = json.loads((tmp_path / "two.json").read_text())
+    int8_runs = json.loads(outs[1][0])
 
     for heads, (out_err, pool_err) in runs.pop("attention").items():  # one layer, mesh 2x4
         assert out_err < 1e-5 and pool_err < 1e-6, heads
-    base = runs["1x1"]
-    assert base["preemptions"] > 0 and base["hits"] > 0
-    for name, run in runs.items():
-        assert run["tokens"] == base["tokens"], name
-        for got, want in zip(run["logits"], base["logits"]):
-            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=name)
-        assert run["alloc"] == base["alloc"], name
-        # The pool splits where the model axis divides the 4 KV heads; no all-gather rebuilds a pool tensor.
-        assert run["shards"] == ([4, 4] if name.startswith("2x4") else [1, 1]), name
-        # Per layer: q, k, v, o, sinks, gate, up, down; the 4 KV heads' k and v do not split 8 ways.
-        assert run["split_weights"] == {"1": 0, "4": 8 * 4, "8": 6 * 4}[name[2]], name
-        assert not [s for s in run["all_gathers"] if s.startswith(run["pool_shape"] + "{")], name
+    for model, model_runs, split in ((MODEL, runs, {"1": 0, "4": 8 * 4, "8": 6 * 4}),
+                                     # q, o, gate, up, down, and the scales of the column-split q, gate, up
+                                     (INT8_MODEL, int8_runs, {"1": 0, "8": 8 * 6})):
+        base = model_runs["1x1"]
+        assert base["preemptions"] > 0 and base["hits"] > 0, model
+        for name, run in model_runs.items():
+            assert run["tokens"] == base["tokens"], (model, name)
+            for got, want in zip(run["logits"], base["logits"]):
+                np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=f"{model} {name}")
+            assert run["alloc"] == base["alloc"], (model, name)
+            # The pool splits where the model axis divides the 4 KV heads.
+            assert set(run["shards"]) == ({4} if name.startswith("2x4") else {1}), (model, name)
+            # Per layer: q, k, v, o, sinks, gate, up, down; the 4 KV heads' k and v do not split 8 ways.
+            assert run["split_weights"] == split[name[2]], (model, name)
+            # No all-gather rebuilds pages of the pool (a result of num_blocks rows), split or replicated.
+            blocks = sharded_serve.MODELS[model][2]
+            assert not [s for s in run["all_gathers"] if re.match(rf"\w+\[{blocks},", s)], (model, name)
