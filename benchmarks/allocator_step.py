@@ -21,7 +21,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import machine
 from hkv_jax.allocator import ops
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.planner import cdiv, plan
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"machine: {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, jax {jax.__version__}, "
+    print(f"machine: {machine.describe()}, "
           f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
     print(f"{'model':<8} {'B':>5} {'blocks':>9} {'decode step us':>15} {'(mean)':>9} {'paths c/v/m/s':>14} "
           f"{'prefill us/req':>15} {'vectorised':>10}")

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import machine
 import allocator_step
 from allocator_step import BS, MODELS, NUM_LAYERS, PROMPT
 from hkv_jax.engine import Engine
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps({"steps": rows, "model_share": shares}, indent=1))
         return 0
-    print(f"machine: {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, jax {jax.__version__}")
+    print(f"machine: {machine.describe()}")
     print(f"{'model':<8} {'B':>5} {'path':>5} {'decode step us':>15} {'device':>9} {'host':>9} {'floor':>7} "
           f"{'alloc':>7} {'dev/alloc':>9} {'prefill us/req':>15} {'device':>9} {'alloc':>7}")
     for r in rows:

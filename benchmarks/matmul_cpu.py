@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import machine
 from hkv_jax.models.quant import int8_matmul
 
 SHAPES = {"output projection": (640, 262144), "mlp up": (640, 2048)}
@@ -70,11 +70,10 @@ def main(argv=None) -> int:
                 extra = f", int8 unpadded {row['int8_unpadded_ms']}" if r == 1 else ""
                 print(f"{name} [{r}, {k}] x [{k}, {n}]: float32 {row['float32_ms']} ms, int8 {row['int8_ms']} ms"
                       f"{extra}", flush=True)
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}"
     if args.json:
-        print(json.dumps({"machine": machine, "rows": rows}, indent=1))
+        print(json.dumps({"machine": machine.describe(), "rows": rows}, indent=1))
     else:
-        print(machine)
+        print(machine.describe())
     return 0
 
 

@@ -15,8 +15,12 @@ compiles its programs there). Prefix caching is on, but the prompts share only t
   every step one batch of all sequences' tokens (prompts first, then one token each), greedy on the
   logits each sequence returns, ``--threads`` threads. Skipped with a line saying so when
   ``llama_cpp`` does not import: it is built from source (``CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"
-  pip wheel --no-binary llama-cpp-python llama-cpp-python``, 15-40 min on 2 cores), so keep the wheel
-  outside the repo (e.g. ``~/.cache/hkv_jax/wheels``) and ``pip install`` it from there.
+  pip wheel --no-binary llama-cpp-python llama-cpp-python``, 5-40 min on 2 cores), so keep the wheel
+  outside the repo (e.g. ``~/.cache/hkv_jax/wheels``) and ``pip install`` it from there. On a CPU with
+  AMX (Intel Sapphire Rapids and later) that native build segfaulted in ``llama_decode`` as soon as it
+  repacked weights for AMX; build it without AMX instead: ``GGML_NATIVE=OFF`` with ``GGML_AVX2``, ``FMA``,
+  ``F16C``, ``BMI2``, ``AVX_VNNI``, ``AVX512``, ``AVX512_VNNI``, ``AVX512_VBMI``, ``AVX512_BF16`` ``=ON``
+  and ``GGML_AMX_TILE``, ``AMX_INT8``, ``AMX_BF16`` ``=OFF``.
 
 KV bytes per request (planner arithmetic, no model run) at ``--contexts`` tokens, bfloat16 KV: our pool
 (15 sliding-window layers hold at most their 512-token window, 3 full layers hold everything) against
@@ -32,13 +36,13 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+import machine
 from hkv_jax.demo import QUESTIONS
 from hkv_jax.generate import engine_for
 from hkv_jax.models.presets import load_preset
@@ -206,8 +210,7 @@ def main(argv=None) -> int:
         row["llama_cpp"] = (llama_cpp_run(path, batch, args.new_tokens, args.threads) or (None,))[0]
         rows.append(row)
     result = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                   f"{jax.devices()[0].platform}, jax {jax.__version__}",
+        "machine": machine.describe(),
         "quantize": args.quantize, "decode_steps": args.decode_steps, "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens, "rows": rows,
         "kv_bytes_per_request": kv_bytes([int(n) for n in args.contexts.split(",")]),

@@ -60,6 +60,9 @@ def test_safetensors_checkpoint_loads_by_name_and_serves_like_its_uncached_forwa
                                   weights["model.layers.3.post_feedforward_layernorm.weight"])
     assert attn.window == 12 and model.layers[3].self_attn.window is None
     assert attn.theta == 1e4 and model.layers[3].self_attn.theta == 1e6
+    # One row's logits (its product padded to two rows: XLA:CPU's slow path) equal the first of two (causal).
+    np.testing.assert_allclose(np.asarray(model.dense(jnp.asarray([5]))[0]),
+                               np.asarray(model.dense(jnp.asarray([5, 7]))[0]), atol=1e-5, rtol=0)
 
     _serves_like_its_uncached_forward(model, atol=1e-4)
 

@@ -26,6 +26,7 @@ from flax import nnx
 from hkv_jax.attention import AttentionMetadata, attention
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
+from hkv_jax.models.quant import two_rows_at_least
 from hkv_jax.models.tiny import capped, dense_attention, rope
 from hkv_jax.spec import AttentionSpec, LayerSpec, SlidingWindowSpec
 
@@ -190,7 +191,7 @@ class Gemma3LM(nnx.Module):
 
     def _logits(self, x):
         x = self.norm(x)
-        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        logits = two_rows_at_least(self.embed_tokens.attend, x) if self.lm_head is None else self.lm_head(x)
         return capped(logits.astype(jnp.float32), self.cfg.final_soft_cap)
 
     def dense(self, tokens: jax.Array) -> jax.Array:

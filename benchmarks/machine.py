@@ -1,0 +1,28 @@
+"""One line naming the machine a benchmark ran on: CPU model, cores, JAX backend and version.
+
+The dev machines change between sessions (an AMD EPYC one day, an Intel Xeon with AVX-512 the next), and
+figures only compare on the same CPU, so every benchmark prints this line with its figures."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import jax
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the architecture where that file is absent."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe() -> str:
+    """``"Intel(R) Xeon(R) Processor, 2 cores, cpu, jax 0.12.0.1"``."""
+    return f"{cpu_model()}, {os.cpu_count()} cores, {jax.devices()[0].platform}, jax {jax.__version__}"
