@@ -3,7 +3,8 @@
 Per shape ``[R, K] x [K, N]`` and row count R: the median of ``--repeats`` timed calls (after one
 warm-up call) of
 - ``float32``: ``x @ w``;
-- ``int8``: ``hkv_jax.models.quant.int8_matmul`` (activations rounded per row; one row padded to two);
+- ``int8``: ``hkv_jax.models.quant.int8_matmul`` on int8 weights stored ``[N, K]``, as ``Int8Linear``
+  stores them (activations rounded per row; one row padded to two);
 - ``int8 unpadded``: the bare one-row int8 product, without that padding, to show why it pads.
 
 Shapes: the output projection ``[R, 640] x [640, 262144]`` and an MLP input ``[R, 640] x [640, 2048]``.
@@ -39,9 +40,9 @@ def median_ms(f, *args, repeats: int) -> float:
     return round(sorted(times)[len(times) // 2] * 1e3, 2)
 
 
-def int8_product(xq, kernel):
-    """The bare int8 x int8 -> int32 product, with no padding (nor rounding) around it."""
-    return jnp.dot(xq, kernel, preferred_element_type=jnp.int32)
+def int8_product(xq, weight):
+    """The bare int8 x int8 -> int32 product (``weight: [out, in]``), with no padding (nor rounding) around it."""
+    return jax.lax.dot_general(xq, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
 
 
 def main(argv=None) -> int:
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     rows = []
     for name, (k, n) in SHAPES.items():
         w = jnp.asarray(rng.standard_normal((k, n), np.float32))
-        q = jnp.asarray(rng.integers(-127, 128, (k, n)).astype(np.int8))
+        q = jnp.asarray(rng.integers(-127, 128, (n, k)).astype(np.int8))  # [out, in], as Int8Linear stores it
         scale = jnp.ones((n,), jnp.float32)
         for r in (int(v) for v in args.rows.split(",")):
             x = jnp.asarray(rng.standard_normal((r, k), np.float32))

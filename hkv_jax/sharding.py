@@ -23,8 +23,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from hkv_jax.cache import mesh_model_size
 
-# Linear layer names (TinyLM and Gemma 3) -> (which dimension splits, the config field it splits by).
-_COLUMN, _ROW = 1, 0
+# Linear layer names (TinyLM and Gemma 3) -> (which dimension splits: the outputs (Megatron's column split)
+# or the inputs (row split), the config field it splits by).
+_COLUMN, _ROW = "out", "in"
+# Where a weight keeps its output dimension: nnx.Linear.kernel is [in, out]; Int8Linear.weight [out, in].
+_OUT_DIM = {"kernel": 1, "weight": 0}
 _SPLITS = {
     "q": (_COLUMN, "num_heads"), "q_proj": (_COLUMN, "num_heads"),
     "k": (_COLUMN, "num_kv_heads"), "k_proj": (_COLUMN, "num_kv_heads"),
@@ -60,13 +63,15 @@ def param_spec(path, shape: tuple[int, ...], cfg, model_shards: int) -> P:
     names = _path_names(path)
     if model_shards == 1 or len(names) < 2:
         return P()
-    if names[-1] == "kernel" and names[-2] in _SPLITS and len(shape) == 2:
-        dim, field = _SPLITS[names[-2]]
+    if names[-1] in _OUT_DIM and names[-2] in _SPLITS and len(shape) == 2:
+        split, field = _SPLITS[names[-2]]
         if getattr(cfg, field, 0) % model_shards == 0:
-            return P(None, "model") if dim == _COLUMN else P("model", None)
+            out = _OUT_DIM[names[-1]]
+            dim = out if split == _COLUMN else 1 - out
+            return P("model", None) if dim == 0 else P(None, "model")
     if names[-1] == "scale" and names[-2] in _SPLITS and len(shape) == 1:  # an Int8Linear's per-column scales
-        dim, field = _SPLITS[names[-2]]
-        if dim == _COLUMN and getattr(cfg, field, 0) % model_shards == 0:
+        split, field = _SPLITS[names[-2]]
+        if split == _COLUMN and getattr(cfg, field, 0) % model_shards == 0:
             return P("model")
     if names[-1] == "sinks" and getattr(cfg, "num_heads", 0) % model_shards == 0:
         return P("model")

@@ -76,13 +76,14 @@ def test_int8_scales_split_with_their_columns():
     specs = {"/".join(_path_names(path)): param_spec(path, x.shape, cfg, 2)
              for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
     P = jax.sharding.PartitionSpec
-    want = {"q_proj": (P(None, "model"), P("model")), "k_proj": (P(None, "model"), P("model")),
-            "up_proj": (P(None, "model"), P("model")), "o_proj": (P("model", None), P()),
-            "down_proj": (P("model", None), P())}
-    for name, (kernel, scale) in want.items():
+    # Int8Linear.weight is [out, in]: a column split (of the outputs) splits its first dimension.
+    want = {"q_proj": (P("model", None), P("model")), "k_proj": (P("model", None), P("model")),
+            "up_proj": (P("model", None), P("model")), "o_proj": (P(None, "model"), P()),
+            "down_proj": (P(None, "model"), P())}
+    for name, (weight, scale) in want.items():
         got = {k.rsplit("/", 1)[1]: v for k, v in specs.items() if f"/{name}/" in k and k.startswith("layers/0/")}
-        assert got == {"kernel": kernel, "scale": scale}, (name, got)
-    assert specs["lm_head/scale"] == P() and specs["lm_head/kernel"] == P()
+        assert got == {"weight": weight, "scale": scale}, (name, got)
+    assert specs["lm_head/scale"] == P() and specs["lm_head/weight"] == P()
 
 
 def test_plan_tp_reports_what_one_device_holds(capsys):

@@ -1,12 +1,14 @@
 """Int8 weights for the linear layers and the output projection (opt-in: ``quantize="int8"``).
 
-Each weight matrix ``w: [in, out]`` is stored as int8 with one float32 scale per
-output column (symmetric, ``max |w| / 127``). At run time each row of the
-activations gets its own scale the same way, and the product is an int8 x int8
-dot accumulated in int32, rescaled to float32. On a CPU a decode step reads a
-quarter of the weight bytes (it is memory-bound at small batches) and XLA runs
-the int8 dot faster than float32 up to a few dozen rows; at prefill sizes the
-two cost about the same.
+Each weight matrix ``w: [in, out]`` is stored transposed, ``[out, in]``, as int8
+with one float32 scale per output column (symmetric, ``max |w| / 127``): XLA:CPU
+runs the product faster with both operands contracting their last dimension
+(``benchmarks/README.md``). At run time each row of the activations gets its
+own scale the same way, and the product is an int8 x int8 dot accumulated in
+int32, rescaled to float32. On a CPU a decode step reads a quarter of the
+weight bytes (it is memory-bound at small batches); at prefill sizes int8 is
+about 3x faster than float32 on a CPU with AVX-512 VNNI, and no faster on one
+with AVX2 only.
 
 The result is not the float32 model: greedy generations drift from it after a
 few tokens on some prompts, as they do for llama.cpp's 4-bit files. Tests and
@@ -47,15 +49,14 @@ def two_rows_at_least(product, x: jax.Array) -> jax.Array:
     return product(jnp.pad(x, ((0, 1), (0, 0))))[:1]
 
 
-def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, out_major: bool = False) -> jax.Array:
-    """``x @ (kernel * scale)`` in float32 with ``x: [..., in]`` quantized per row to int8 on the fly
-    (``out_major``: ``kernel`` is stored ``[out, in]``)."""
+def int8_matmul(x: jax.Array, weight: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x @ (weight * scale[:, None]).T`` in float32 for ``weight: i8[out, in]``, with ``x: [..., in]``
+    quantized per row to int8 on the fly."""
     def product(x):
         peak = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
         x_scale = jnp.where(peak > 0, peak / 127, 1.0)
         xq = jnp.round(x / x_scale).astype(jnp.int8)
-        acc = jax.lax.dot_general(xq, kernel, (((1,), (1 if out_major else 0,)), ((), ())),
-                                  preferred_element_type=jnp.int32)
+        acc = jax.lax.dot_general(xq, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
         return acc.astype(jnp.float32) * x_scale * scale
 
     lead = x.shape[:-1]
@@ -63,18 +64,18 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, out_major:
 
 
 class Int8Linear(nnx.Module):
-    """A bias-free linear layer holding ``kernel: i8[in, out]`` (``i8[out, in]`` when ``out_major``) and
-    ``scale: f32[out]``."""
+    """A bias-free linear layer holding ``weight: i8[out, in]`` (named and laid out as a PyTorch
+    ``Linear.weight``, unlike ``nnx.Linear.kernel``) and ``scale: f32[out]``."""
 
-    def __init__(self, weight: np.ndarray, dtype: str = "float32", out_major: bool = False):
-        """``weight: [in, out]``, as ``nnx.Linear.kernel``; outputs are cast to ``dtype``."""
-        q, scale = quantize_columns(weight)
-        q = np.ascontiguousarray(q.T) if out_major else q
-        self.kernel, self.scale = nnx.Param(jnp.asarray(q)), nnx.Param(jnp.asarray(scale))
-        self.dtype, self.out_major = dtype, out_major
+    def __init__(self, kernel: np.ndarray, dtype: str = "float32"):
+        """``kernel: [in, out]``, as ``nnx.Linear.kernel``; outputs are cast to ``dtype``."""
+        q, scale = quantize_columns(kernel)
+        self.weight = nnx.Param(jnp.asarray(np.ascontiguousarray(q.T)))
+        self.scale = nnx.Param(jnp.asarray(scale))
+        self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return int8_matmul(x, self.kernel[...], self.scale[...], out_major=self.out_major).astype(self.dtype)
+        return int8_matmul(x, self.weight[...], self.scale[...]).astype(self.dtype)
 
 
 def quantize_model(model: nnx.Module, quantize: str) -> nnx.Module:
@@ -91,7 +92,5 @@ def quantize_model(model: nnx.Module, quantize: str) -> nnx.Module:
     for parent, name, lin in targets:
         setattr(parent, name, Int8Linear(np.asarray(lin.kernel[...]), lin.dtype or "float32"))
     if hasattr(model, "lm_head") and model.lm_head is None and hasattr(model, "embed_tokens"):
-        # Stored as the embedding is, [vocab, hidden]: XLA:CPU runs this product 1.5-2x faster at 1-8
-        # rows in that layout (benchmarks/README.md), though not the layers' smaller ones.
-        model.lm_head = nnx.data(Int8Linear(np.asarray(model.embed_tokens.embedding[...]).T, out_major=True))
+        model.lm_head = nnx.data(Int8Linear(np.asarray(model.embed_tokens.embedding[...]).T))
     return model
