@@ -14,6 +14,14 @@ The result is not the float32 model: greedy generations drift from it after a
 few tokens on some prompts, as they do for llama.cpp's 4-bit files. Tests and
 parity stay on float32; ``benchmarks/real_model.py --quantize int8`` reports
 both speed and agreement.
+
+Rounding the activations also makes the result sensitive to the last bit of its
+float inputs. On one device the engine is bitwise reproducible (chunking and
+batching change nothing), but under a mesh XLA compiles the float parts around
+the products differently. A value near a rounding step then lands on the other
+side, and the following layers spread the difference: Gemma 3 270M on a 1x2
+mesh gave two of four requests logits 1.4-2.2 away from one device's, and one
+token differed after 8.
 """
 
 from __future__ import annotations
