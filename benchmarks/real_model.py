@@ -215,6 +215,12 @@ def main(argv=None) -> int:
         "new_tokens": args.new_tokens, "rows": rows,
         "kv_bytes_per_request": kv_bytes([int(n) for n in args.contexts.split(",")]),
     }
+    try:  # what llama.cpp was built with (its CPU features): builds differ between machines
+        import llama_cpp
+
+        result["llama_cpp_build"] = f"{llama_cpp.__version__}: {llama_cpp.llama_print_system_info().decode().strip()}"
+    except ImportError:
+        pass
     if args.agreement:
         print("... agreement with the float32 reference", file=sys.stderr, flush=True)
         result["agreement"] = agreement(model, path, args)
@@ -224,6 +230,8 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=1))
         return 0
     print(result["machine"])
+    if "llama_cpp_build" in result:
+        print(f"llama.cpp {result['llama_cpp_build']}")
     for r in rows:
         o, l = r.get("ours"), r["llama_cpp"]
         print(f"C={r['concurrency']:3d}  ours {o['tokens_per_s'] if o else '-':>8} tok/s   "
