@@ -25,11 +25,9 @@ from hkv_jax.models.tiny import TinyConfig, TinyLM
 from hkv_jax.sharding import make_mesh
 
 # KV heads that split 4 ways but not 8: the (1, 8) mesh replicates the pool, the (2, 4) mesh splits it.
-# One KV head: its layers keep the whole pool on every device but split their query heads.
 # Each with a pool (blocks) small enough to preempt, and its weights' quantization (hkv_jax.models.quant).
 MODELS = {
     "tiny-gptoss-8x4": ("tiny-gptoss", {"num_attention_heads": 8, "num_key_value_heads": 4}, 20, None),
-    "tiny-gemma3-mqa": ("tiny-gemma3", {"num_key_value_heads": 1}, 50, None),
     "tiny-gemma3-8x4-int8": ("tiny-gemma3", {"num_attention_heads": 8, "num_key_value_heads": 4}, 50, "int8"),
 }
 
