@@ -3,9 +3,10 @@
 B requests with 2048-token random prompts (block size 16, prefix caching on, ``vllm`` policy, the vLLM
 oracle's pool size: the workload of ``allocator_step.py``), served by ``hkv_jax.engine.Engine``: one step
 admits and prefills them all, then ``--decode`` steps decode one token each. What is timed is what a user
-runs, ``Engine.step()``: host planning, transfers, ``prepare`` (admissions) when it runs, the step program,
-the report read back and the host's bookkeeping. Its device part (the programs, from dispatch to the
-report) is also reported alone.
+runs, ``Engine.step_tokens()`` (``step()`` with the sampled tokens as arrays, not one Python pair per
+token): host planning, transfers, ``prepare`` (admissions) when it runs, the step program, the report
+read back and the host's bookkeeping. Its device part (the programs, from dispatch to the report) is also
+reported alone.
 
 The model is ``NoOpLM``: the workload's layer specs (so the same KV cache groups) with one-element heads,
 the KV memory untouched, and zero logits one column wide (the sampled token is always 0: sampling costs
@@ -90,10 +91,10 @@ def make_engine(model, layers, batch: int, decode: int, vectorised: bool, decode
 
 
 def timed_step(engine: Engine) -> tuple[float, float]:
-    """One ``Engine.step()``: (wall seconds, seconds from its first program's dispatch to the report)."""
+    """One ``Engine.step_tokens()``: (wall seconds, seconds from its first program's dispatch to the report)."""
     before = engine.stats.device_seconds
     t = time.perf_counter()
-    engine.step()
+    engine.step_tokens()
     return time.perf_counter() - t, engine.stats.device_seconds - before
 
 

@@ -31,6 +31,11 @@ def _engines(name: str, seed: int, kinds=({"vectorised": True}, {"vectorised": F
             for kind in kinds]
 
 
+def _progress(engine: Engine) -> dict:
+    """Each request's generated tokens and computed count, as ``Engine.requests`` shows them."""
+    return {rid: (r.generated, r.computed, r.slot) for rid, r in engine.requests.items()}
+
+
 # The tests of this file share their engines' compilations.
 pytestmark = pytest.mark.xdist_group("engine-paths")
 
@@ -58,6 +63,8 @@ def test_vectorised_step_equals_the_per_request_step(name):
             assert semantic(fast.state.alloc, fast.layout) == semantic(exact.state.alloc, exact.layout), f"step {steps}"
             assert (fast.running, fast.waiting, fast._to_free) == (exact.running, exact.waiting, exact._to_free)
             steps += 1
+            if steps % 5 == 0:  # the tokens booked with arrays, pending until the requests are read
+                assert _progress(fast) == _progress(exact), f"step {steps}"
             if steps % 7 == 0 and len(fast.waiting) < 2:  # a request arrives while others decode
                 prompt = system + rng.integers(0, 256, int(rng.integers(1, 30))).tolist()
                 assert fast.add_request(prompt, 4) == exact.add_request(prompt, 4)
@@ -100,7 +107,9 @@ def test_multi_step_decoding_equals_single_steps():
     """``decode_steps=4``: a ``step()`` call runs up to 4 decode steps in one program. Against an engine
     stepping one at a time through the same traffic (more requests than lanes, two arriving mid-run, stop
     tokens, greedy then sampled, a pool small enough to preempt): the same tokens in the same order, the
-    same allocator state and host queues after every call, and calls that ran several steps."""
+    same allocator state and host queues after every call, and calls that ran several steps. The calls
+    return arrays (``step_tokens``), and the requests read every fifth call (their pending tokens then
+    booked) show what the single-step engine's show."""
     rng = np.random.default_rng(11)
     multi, single = _engines("sliding+mamba+full", seed=3, kinds=({"decode_steps": 4}, {}))
     system = rng.integers(0, 256, 20).tolist()
@@ -118,13 +127,16 @@ def test_multi_step_decoding_equals_single_steps():
         for _ in range(6):
             submit()
         while multi.has_work:
-            got, want = multi.step(), single.step()
+            rids, tokens = multi.step_tokens()
+            want = single.step()
             while single.stats.steps < multi.stats.steps:
                 want += single.step()
-            assert got == want, f"call {calls}"
+            assert list(zip(rids.tolist(), tokens.tolist())) == want, f"call {calls}"
             assert single.stats.steps == multi.stats.steps
             assert semantic(multi.state.alloc, multi.layout) == semantic(single.state.alloc, single.layout)
             assert (multi.running, multi.waiting, multi._to_free) == (single.running, single.waiting, single._to_free)
+            if calls % 5 == 4:  # tokens booked with arrays wait until the requests are read: read them now
+                assert _progress(multi) == _progress(single), f"call {calls}"
             calls += 1
             if calls in (6, 20):  # a request arrives while others decode
                 submit()

@@ -58,6 +58,7 @@ _FORK = jax.jit(ops.fork, static_argnums=0, donate_argnums=1)
 # New prompts travel in a flat buffer of a power-of-two size, at least this many tokens: few shapes of
 # the (small) prepare program.
 _MIN_PROMPT_BUFFER = 64
+_NO_TOKENS = (np.zeros(0, np.int64), np.zeros(0, np.int32))
 
 
 def _nbytes(tree) -> int:
@@ -121,8 +122,12 @@ class _Decoding:
     rids: list[int]
     requests: list[Request]
     slots: np.ndarray          # i32[n]
-    tokens_left: np.ndarray    # i64[n]: max_new_tokens - generated
+    tokens_left: np.ndarray    # i64[n]: max_new_tokens - generated (pending tokens counted)
     stops: np.ndarray          # i32[k]: every stop token of these requests (a candidate filter)
+    # Tokens of booked steps not yet in the requests' ``generated`` and ``computed``: i32[k, n] blocks.
+    # Appending them request by request costs more than the step itself at large batches, so they wait
+    # until something reads the requests (``Engine.requests``) or a request finishes.
+    pending: list[np.ndarray] = field(default_factory=list)
 
     @staticmethod
     def of(requests: list[Request]) -> "_Decoding":
@@ -131,10 +136,25 @@ class _Decoding:
                          np.array([r.max_new_tokens - len(r.generated) for r in requests], np.int64),
                          np.array(sorted({t for r in requests for t in r.stop}), np.int32))
 
+    def flush(self, cols: list[int] | None = None) -> None:
+        """Move the pending tokens into the requests at positions ``cols`` (default: all of them, and
+        nothing stays pending)."""
+        if not self.pending:
+            return
+        block = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]   # [k, n]
+        k = block.shape[0]
+        if cols is None:
+            self.pending = []
+            cols = range(len(self.requests))
+        for i, toks in zip(cols, block[:, cols].T.tolist()):
+            r = self.requests[i]
+            r.computed += k
+            r.generated += toks
+
     def take(self, keep: list[int]) -> "_Decoding":
-        """The record of the requests at positions ``keep``."""
+        """The record of the requests at positions ``keep`` (their pending tokens with them)."""
         return _Decoding([self.rids[i] for i in keep], [self.requests[i] for i in keep], self.slots[keep],
-                         self.tokens_left[keep], self.stops)
+                         self.tokens_left[keep], self.stops, [p[:, keep] for p in self.pending])
 
 
 class Engine:
@@ -203,7 +223,7 @@ class Engine:
         alloc, key = jax.device_put((init_state(self.layout), jax.random.PRNGKey(seed)), placement)
         cache = init_cache(self.config, mesh)
         self.state = EngineState(alloc, cache if mesh is not None else jax.device_put(cache, placement), key)
-        self.requests: dict[int, Request] = {}
+        self._requests: dict[int, Request] = {}
         self.waiting: list[int] = []   # request ids, front first
         self.running: list[int] = []   # admission order
         self._to_free: list[int] = []  # slots freed in the next step
@@ -222,6 +242,13 @@ class Engine:
 
     # --- requests -------------------------------------------------------------------------
 
+    @property
+    def requests(self) -> dict[int, Request]:
+        """Every request by id, with its ``generated`` tokens and ``computed`` count up to date."""
+        if self._decoding is not None:
+            self._decoding.flush()
+        return self._requests
+
     def add_request(self, prompt, max_new_tokens: int, stop: tuple[int, ...] = ()) -> int:
         """Queue a request; returns its id. It ends after ``max_new_tokens`` or at a token in ``stop``
         (e.g. the model's EOS ids). Raises ``ValueError`` when it cannot fit ``max_model_len``."""
@@ -235,7 +262,7 @@ class Engine:
                              f"max_model_len {self.layout.max_model_len}")
         rid = self._next_id
         self._next_id += 1
-        self.requests[rid] = Request(rid, prompt, max_new_tokens, stop=tuple(int(t) for t in stop))
+        self._requests[rid] = Request(rid, prompt, max_new_tokens, stop=tuple(int(t) for t in stop))
         self.waiting.append(rid)
         return rid
 
@@ -334,11 +361,18 @@ class Engine:
 
     def step(self) -> list[tuple[int, int]]:
         """Run one step (up to ``decode_steps`` decode steps: see the class); returns the (request id, token)
-        pairs sampled in it."""
+        pairs sampled in it, in step order (``step_tokens`` returns them as two arrays)."""
+        rids, tokens = self.step_tokens()
+        return list(zip(rids.tolist(), tokens.tolist()))
+
+    def step_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """``step()`` without a Python object per token: the request ids ``i64[n]`` and tokens ``i32[n]``
+        sampled in it, in step order. At hundreds of requests a step, building the pairs costs more
+        host time than the rest of the step's bookkeeping."""
         t0 = time.perf_counter()
         plan, changes, order, admit, decoding, running = self._plan()
         if not order and changes is None:
-            return []
+            return _NO_TOKENS
         t_dispatch = time.perf_counter()
         if changes is not None:
             with self._on_mesh():
@@ -354,7 +388,7 @@ class Engine:
             t = time.perf_counter()
             self.stats.device_seconds += t - t_dispatch
             self.stats.seconds += t - t0
-            return []
+            return _NO_TOKENS
         k = len(order)
         d = self._decoding
         if (self.decode_steps > 1 and order is getattr(d, "rids", None)
@@ -372,9 +406,10 @@ class Engine:
         self.stats.seconds += time.perf_counter() - t0
         return events
 
-    def _apply(self, order: list[int], running: int, plan: StepPlan, reports: np.ndarray) -> list[tuple[int, int]]:
+    def _apply(self, order: list[int], running: int, plan: StepPlan,
+               reports: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Book the reports of consecutive steps of one plan (``i32[steps, 6, len(order)]``); returns their
-        sampled (request id, token) pairs in step order. The leading steps that decoded every request of
+        sampled request ids and tokens in step order. The leading steps that decoded every request of
         the decode-only record, each allocated and sampled, are booked at once with arrays."""
         self._idle_next[:] = False
         self._idle_next[plan.slots[:len(order)][reports[-1, 5] != 0]] = True
@@ -383,12 +418,15 @@ class Engine:
         if order is getattr(d, "rids", None):
             ok = reports[:, 0].all(1) & reports[:, 3].all(1) & (reports[:, 1] == 1).all(1) & ~reports[:, 2].any(1)
             clean = len(ok) if ok.all() else int(ok.argmin())
-        events = self._book_decodes(d, reports[:clean, 4]) if clean else []
+        rids, tokens = self._book_decodes(d, reports[:clean, 4]) if clean else _NO_TOKENS
         self.stats.steps += len(reports)
         self.stats.array_steps += clean
         for report in reports[clean:]:  # at most one: a window stops at the first step the host must see
-            events += self._book(order, running, plan, report)
-        return events
+            events = self._book(order, running, plan, report)
+            if events:
+                rids = np.concatenate([rids, np.array([rid for rid, _ in events], np.int64)])
+                tokens = np.concatenate([tokens, np.array([tok for _, tok in events], np.int32)])
+        return rids, tokens
 
     def _book(self, order: list[int], running: int, plan: StepPlan, report: np.ndarray) -> list[tuple[int, int]]:
         """Apply a step's report to the requests it planned (``order``; the first ``running`` of them were
@@ -427,31 +465,31 @@ class Engine:
         self._decoding = _Decoding.of(live) if live and all(r.total - r.computed == 1 for r in live) else None
         return events
 
-    def _book_decodes(self, d: _Decoding, tokens: np.ndarray) -> list[tuple[int, int]]:
+    def _book_decodes(self, d: _Decoding, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``_book`` for ``k`` steps that decoded every running request (``d``), each allocated and sampled
-        (``tokens: i32[k, n]``; only the last step may finish a request): the finished ones found with
-        array operations."""
-        k = tokens.shape[0]
-        for r, toks in zip(d.requests, tokens.T.tolist()):
-            r.computed += k
-            r.generated += toks
-        events = list(zip(d.rids * k, tokens.ravel().tolist()))
-        self.stats.tokens_computed += len(events)
-        self.stats.generated += len(events)
+        (``tokens: i32[k, n]``; only the last step may finish a request), with array operations: the
+        tokens wait in ``d.pending``, and only finished requests get theirs now."""
+        k, n = tokens.shape
+        d.pending.append(tokens)
+        self.stats.tokens_computed += k * n
+        self.stats.generated += k * n
         d.tokens_left -= k
         done = d.tokens_left <= 0
         last = tokens[-1]
         for i in np.flatnonzero(np.isin(last, d.stops)).tolist():
             done[i] |= int(last[i]) in d.requests[i].stop
+        rids = np.tile(np.asarray(d.rids, np.int64), k)
         if done.any():
-            for i in np.flatnonzero(done).tolist():
+            finished = np.flatnonzero(done).tolist()
+            d.flush(finished)
+            for i in finished:
                 r = d.requests[i]
                 self._to_free.append(r.slot)
                 r.slot = -1
             keep = np.flatnonzero(~done).tolist()
             self._decoding = d.take(keep) if keep else None
             self.running = [d.rids[i] for i in keep]
-        return events
+        return rids, tokens.ravel()
 
     def _bucket(self, tokens: int) -> int:
         """Index of the smallest token bucket (``self.statics``) that holds ``tokens``."""
@@ -573,10 +611,11 @@ class Engine:
                 "admissions": self._admissions, "hold_admissions": self._hold_admissions}
 
     def _set_host_state(self, h: dict) -> None:
-        self.requests, self.waiting, self.running = h["requests"], h["waiting"], h["running"]
+        self._requests, self.waiting, self.running = h["requests"], h["waiting"], h["running"]
         self._to_free, self._to_preempt, self._next_id = h["to_free"], h["to_preempt"], h["next_id"]
         self._admissions, self._hold_admissions = h["admissions"], h["hold_admissions"]
-        self._decoding = None  # rebuilt by the next step's pass over the requests
+        self._decoding = None  # rebuilt by the next step's pass over the requests (nothing is pending:
+        # the requests it replaces are dropped)
 
     def snapshot(self) -> tuple[EngineState, dict]:
         """A copy of the device state and the host's bookkeeping (the step donates the live state)."""
@@ -604,7 +643,7 @@ class Engine:
         child.rid, child.slot = self._next_id, slot
         child.computed = parent.computed // self.layout.block_size * self.layout.block_size
         self._next_id += 1
-        self.requests[child.rid] = child
+        self._requests[child.rid] = child
         self.running.append(child.rid)
         self._decoding = None
         return child.rid
