@@ -116,14 +116,16 @@ def append_batch(layout: Layout, state: AllocatorState, slots, tokens, mask=None
     full = mask & (n1 % bs == 0)
     idx = jnp.maximum(n1 // bs - 1, 0)
 
-    # Hashing costs a few hundred operations per block: only in steps where a block fills. The branch
-    # reads small arrays gathered before it (XLA copies the arrays a conditional reads into it).
-    parent = jnp.where((idx > 0)[:, None], state.hashes[slots, jnp.maximum(idx - 1, 0)], jnp.asarray(SEED))
-    blk = toks[slots[:, None], idx[:, None] * bs + jnp.arange(bs)[None, :]]           # [B, bs]
-    salt = state.salt[slots]
-    h = jax.lax.cond(jnp.any(full),
-                     lambda: jax.vmap(hash_one_block, (0, 0, 0, 0, None))(parent, blk, salt, idx == 0, _NO_EXTRA),
-                     lambda: jnp.zeros((slots.shape[0], 4), jnp.uint32))
+    # Hashing costs a few hundred operations per block: only in steps where a block fills. The gathers
+    # stay inside the branch too: XLA:CPU splits a gather from an array of a megabyte or more across
+    # threads however few elements it takes, and outside a branch that cost ~10 us a step in a decode
+    # loop at 256 requests (the branch's operations are never split).
+    def hash_filled():
+        parent = jnp.where((idx > 0)[:, None], state.hashes[slots, jnp.maximum(idx - 1, 0)], jnp.asarray(SEED))
+        blk = toks[slots[:, None], idx[:, None] * bs + jnp.arange(bs)[None, :]]           # [B, bs]
+        return jax.vmap(hash_one_block, (0, 0, 0, 0, None))(parent, blk, state.salt[slots], idx == 0, _NO_EXTRA)
+
+    h = jax.lax.cond(jnp.any(full), hash_filled, lambda: jnp.zeros((slots.shape[0], 4), jnp.uint32))
     hashes = state.hashes.at[jnp.where(full, slots, R), idx].set(h, mode="drop")
     return replace(state, tokens=toks, hashes=hashes).with_counters(at, num_tokens=n1)
 
