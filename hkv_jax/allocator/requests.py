@@ -116,10 +116,9 @@ def append_batch(layout: Layout, state: AllocatorState, slots, tokens, mask=None
     full = mask & (n1 % bs == 0)
     idx = jnp.maximum(n1 // bs - 1, 0)
 
-    # Hashing costs a few hundred operations per block: only in steps where a block fills. The gathers
-    # stay inside the branch too: XLA:CPU splits a gather from an array of a megabyte or more across
-    # threads however few elements it takes, and outside a branch that cost ~10 us a step in a decode
-    # loop at 256 requests (the branch's operations are never split).
+    # Hashing costs a few hundred operations per block: only in steps where a block fills. Its gathers
+    # run there too: XLA:CPU splits a gather from an array of a megabyte or more across threads however
+    # few elements it takes, and run every step those two cost ~10 us each at 256 requests.
     def hash_filled():
         parent = jnp.where((idx > 0)[:, None], state.hashes[slots, jnp.maximum(idx - 1, 0)], jnp.asarray(SEED))
         blk = toks[slots[:, None], idx[:, None] * bs + jnp.arange(bs)[None, :]]           # [B, bs]
