@@ -64,7 +64,6 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
     engine.temperature, engine.top_p = cfg.temperature, cfg.top_p
     rid = engine.add_request(ids, cfg.max_new_tokens, stop=codec.eos_ids)
     load_s = time.perf_counter() - t0
-    req = engine.requests[rid]
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -74,6 +73,7 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
     while engine.has_work:
         compiled, t_step = Engine.compilations(), time.perf_counter()
         events = engine.step()
+        req = engine.requests[rid]  # read after each step: the engine books decode tokens lazily
         if t_first is not None:  # a step that compiled a program is not a decode figure
             step_s = time.perf_counter() - t_step
             if Engine.compilations() == compiled:

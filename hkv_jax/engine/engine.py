@@ -14,8 +14,9 @@ queue; its prefix may come back from the cache.
 
 While every running request decodes and no waiting one can start (the
 steady state of a full batch), the host keeps them as arrays (``_Decoding``):
-it plans such a step from them and finds the finished requests with array
-operations, so only appending each sampled token stays per request. Any
+it plans such a step from them, finds the finished requests with array
+operations, and keeps their sampled tokens as arrays until ``Engine.requests``
+is read or a request finishes (``step_tokens`` returns them as arrays too). Any
 other step takes the per-request pass, which rebuilds those arrays.
 
 Models with Mamba layers: a chunk that starts inside a block stops at the
@@ -67,7 +68,9 @@ def _nbytes(tree) -> int:
 
 @dataclass
 class Request:
-    """A request as the host sees it."""
+    """A request as the host sees it. Read it through ``Engine.requests`` after a step: steps where every
+    running request decodes book their tokens into ``generated`` and ``computed`` only when
+    ``Engine.requests`` is read (or the request finishes), so an object kept from before a step can lag."""
 
     rid: int
     prompt: list[int]
