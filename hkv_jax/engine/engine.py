@@ -125,6 +125,7 @@ class _Decoding:
     rids: list[int]
     requests: list[Request]
     slots: np.ndarray          # i32[n]
+    rid_array: np.ndarray      # i64[n]: ``rids``
     tokens_left: np.ndarray    # i64[n]: max_new_tokens - generated (pending tokens counted)
     stops: np.ndarray          # i32[k]: every stop token of these requests (a candidate filter)
     # Tokens of booked steps not yet in the requests' ``generated`` and ``computed``: i32[k, n] blocks.
@@ -135,7 +136,8 @@ class _Decoding:
     @staticmethod
     def of(requests: list[Request]) -> "_Decoding":
         """The record of ``requests``, which must all be decoding."""
-        return _Decoding([r.rid for r in requests], requests, np.array([r.slot for r in requests], np.int32),
+        rids = [r.rid for r in requests]
+        return _Decoding(rids, requests, np.array([r.slot for r in requests], np.int32), np.array(rids, np.int64),
                          np.array([r.max_new_tokens - len(r.generated) for r in requests], np.int64),
                          np.array(sorted({t for r in requests for t in r.stop}), np.int32))
 
@@ -157,7 +159,7 @@ class _Decoding:
     def take(self, keep: list[int]) -> "_Decoding":
         """The record of the requests at positions ``keep`` (their pending tokens with them)."""
         return _Decoding([self.rids[i] for i in keep], [self.requests[i] for i in keep], self.slots[keep],
-                         self.tokens_left[keep], self.stops, [p[:, keep] for p in self.pending])
+                         self.rid_array[keep], self.tokens_left[keep], self.stops, [p[:, keep] for p in self.pending])
 
 
 class Engine:
@@ -479,9 +481,10 @@ class Engine:
         d.tokens_left -= k
         done = d.tokens_left <= 0
         last = tokens[-1]
-        for i in np.flatnonzero(np.isin(last, d.stops)).tolist():
-            done[i] |= int(last[i]) in d.requests[i].stop
-        rids = np.tile(np.asarray(d.rids, np.int64), k)
+        if len(d.stops):
+            for i in np.flatnonzero(np.isin(last, d.stops)).tolist():
+                done[i] |= int(last[i]) in d.requests[i].stop
+        rids = np.tile(d.rid_array, k)
         if done.any():
             finished = np.flatnonzero(done).tolist()
             d.flush(finished)
