@@ -407,9 +407,9 @@ class Engine:
             reports = self._run(plan, lean)[None, :, :k]
         self._last_order, self._last_rows = order, None
         self.stats.device_seconds += time.perf_counter() - t_dispatch
-        events = self._apply(order, running, plan, reports)
+        sampled = self._apply(order, running, plan, reports)
         self.stats.seconds += time.perf_counter() - t0
-        return events
+        return sampled
 
     def _apply(self, order: list[int], running: int, plan: StepPlan,
                reports: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -620,8 +620,9 @@ class Engine:
         self._requests, self.waiting, self.running = h["requests"], h["waiting"], h["running"]
         self._to_free, self._to_preempt, self._next_id = h["to_free"], h["to_preempt"], h["next_id"]
         self._admissions, self._hold_admissions = h["admissions"], h["hold_admissions"]
-        self._decoding = None  # rebuilt by the next step's pass over the requests (nothing is pending:
-        # the requests it replaces are dropped)
+        # Rebuilt by the next step's pass over the requests; tokens pending in the old record belonged to
+        # the requests replaced here.
+        self._decoding = None
 
     def snapshot(self) -> tuple[EngineState, dict]:
         """A copy of the device state and the host's bookkeeping (the step donates the live state)."""
