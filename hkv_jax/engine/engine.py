@@ -60,6 +60,9 @@ _FORK = jax.jit(ops.fork, static_argnums=0, donate_argnums=1)
 # the (small) prepare program.
 _MIN_PROMPT_BUFFER = 64
 _NO_TOKENS = (np.zeros(0, np.int64), np.zeros(0, np.int32))
+# Calls whose decode tokens may wait in a decode-only record before they are booked anyway: bounds
+# the record's arrays (and the cost of passing them on when a request finishes) in long decodes.
+_MAX_PENDING = 256
 
 
 def _nbytes(tree) -> int:
@@ -70,7 +73,8 @@ def _nbytes(tree) -> int:
 class Request:
     """A request as the host sees it. Read it through ``Engine.requests`` after a step: steps where every
     running request decodes book their tokens into ``generated`` and ``computed`` only when
-    ``Engine.requests`` is read (or the request finishes), so an object kept from before a step can lag."""
+    ``Engine.requests`` is read (or the request finishes, or 256 calls passed), so an object kept from
+    before a step can lag."""
 
     rid: int
     prompt: list[int]
@@ -476,6 +480,8 @@ class Engine:
         tokens wait in ``d.pending``, and only finished requests get theirs now."""
         k, n = tokens.shape
         d.pending.append(tokens)
+        if len(d.pending) >= _MAX_PENDING:
+            d.flush()
         self.stats.tokens_computed += k * n
         self.stats.generated += k * n
         d.tokens_left -= k
