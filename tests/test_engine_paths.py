@@ -146,3 +146,25 @@ def test_multi_step_decoding_equals_single_steps():
     assert {rid: r.generated for rid, r in multi.requests.items()} == \
         {rid: r.generated for rid, r in single.requests.items()}
     assert multi.stats.multi_step_calls > 0 and calls < multi.stats.steps
+
+
+def test_a_plan_goes_to_the_device_once_and_again_when_it_changes():
+    """Decode-only steps repeat their plan: it is transferred once, not per step. A change of sampling
+    between steps changes the plan, so it travels again and takes effect: the same requests decoded
+    greedily, then sampled from the switch on, part from the greedy engine's tokens."""
+    rng = np.random.default_rng(5)
+    greedy, switched = _engines("sliding+mamba+full", seed=4, kinds=({}, {}))
+    for _ in range(3):
+        prompt, = rng.integers(0, 256, (1, 6)).tolist()
+        for e in (greedy, switched):
+            e.add_request(prompt, 30)
+    for _ in range(3):  # the prefill, then decode-only steps
+        assert greedy.step() == switched.step()
+    sent = switched.stats.host_to_device_bytes
+    for _ in range(4):
+        assert greedy.step() == switched.step()
+    assert switched.stats.host_to_device_bytes == sent  # nothing travelled: the device copy was reused
+    switched.temperature = 1.0
+    after = [switched.step() for _ in range(6)]
+    assert switched.stats.host_to_device_bytes > sent
+    assert after != [greedy.step() for _ in range(6)]
