@@ -149,22 +149,24 @@ def test_multi_step_decoding_equals_single_steps():
 
 
 def test_a_plan_goes_to_the_device_once_and_again_when_it_changes():
-    """Decode-only steps repeat their plan: it is transferred once, not per step. A change of sampling
-    between steps changes the plan, so it travels again and takes effect: the same requests decoded
-    greedily, then sampled from the switch on, part from the greedy engine's tokens."""
+    """Decode-only steps repeat their plan: it is packed and transferred once, not per step. A change of
+    sampling between steps changes the plan, so it travels again and takes effect at once: from the
+    switch on, the tokens equal the per-request engine's (which packs a plan every step) and part from a
+    greedy engine's."""
     rng = np.random.default_rng(5)
-    greedy, switched = _engines("sliding+mamba+full", seed=4, kinds=({}, {}))
+    greedy, switched, exact = _engines("sliding+mamba+full", seed=4, kinds=({}, {}, {"vectorised": False}))
     for _ in range(3):
         prompt, = rng.integers(0, 256, (1, 6)).tolist()
-        for e in (greedy, switched):
+        for e in (greedy, switched, exact):
             e.add_request(prompt, 30)
     for _ in range(3):  # the prefill, then decode-only steps
-        assert greedy.step() == switched.step()
+        assert greedy.step() == switched.step() == exact.step()
     sent = switched.stats.host_to_device_bytes
     for _ in range(4):
-        assert greedy.step() == switched.step()
+        assert greedy.step() == switched.step() == exact.step()
     assert switched.stats.host_to_device_bytes == sent  # nothing travelled: the device copy was reused
-    switched.temperature = 1.0
+    switched.temperature = exact.temperature = 1.0
     after = [switched.step() for _ in range(6)]
     assert switched.stats.host_to_device_bytes > sent
+    assert after == [exact.step() for _ in range(6)]
     assert after != [greedy.step() for _ in range(6)]

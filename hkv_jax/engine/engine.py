@@ -63,6 +63,8 @@ _NO_TOKENS = (np.zeros(0, np.int64), np.zeros(0, np.int32))
 # Calls whose decode tokens may wait in a decode-only record before they are booked anyway: bounds
 # the record's arrays (and the cost of passing them on when a request finishes) in long decodes.
 _MAX_PENDING = 256
+# Report rows ok, num_new, cache_hit, sampled of a lane that decoded one token and sampled it.
+_CLEAN_DECODE = np.array([1, 1, 0, 1], np.int32)[:, None]
 
 
 def _nbytes(tree) -> int:
@@ -136,6 +138,9 @@ class _Decoding:
     # Appending them request by request costs more than the step itself at large batches, so they wait
     # until something reads the requests (``Engine.requests``) or a request finishes.
     pending: list[np.ndarray] = field(default_factory=list)
+    # The plan of a step that decodes them all, with the (temperature, top-p) it was packed for: every
+    # such step plans the same, so it is packed (and sent to the device) once.
+    plan: tuple[tuple[float, float], StepPlan] | None = None
 
     @staticmethod
     def of(requests: list[Request]) -> "_Decoding":
@@ -303,11 +308,14 @@ class Engine:
         d = self._decoding
         if d is not None and len(d.rids) <= budget and (hold or not self.waiting or len(d.rids) in (R, budget)):
             n = len(d.rids)  # every running request decodes, and no waiting one can start: no pass over them
-            slots = np.full(R, -1, np.int32)
-            slots[:n] = d.slots
-            want = np.zeros(R, np.int32)
-            want[:n] = 1
-            return StepPlan.pack(slots, want, self.temperature, self.top_p), self._changes([]), d.rids, [], n, n
+            sampling = (self.temperature, self.top_p)
+            if d.plan is None or d.plan[0] != sampling:
+                slots = np.full(R, -1, np.int32)
+                slots[:n] = d.slots
+                want = np.zeros(R, np.int32)
+                want[:n] = 1
+                d.plan = sampling, StepPlan.pack(slots, want, *sampling)
+            return d.plan[1], self._changes([]), d.rids, [], n, n
         decoding: list[tuple[int, int]] = []  # (request id, tokens)
         chunked: list[tuple[int, int]] = []
         requests = self.requests
@@ -426,7 +434,7 @@ class Engine:
         d = self._decoding
         clean = 0
         if order is getattr(d, "rids", None):
-            ok = reports[:, 0].all(1) & reports[:, 3].all(1) & (reports[:, 1] == 1).all(1) & ~reports[:, 2].any(1)
+            ok = (reports[:, :4] == _CLEAN_DECODE).all((1, 2))
             clean = len(ok) if ok.all() else int(ok.argmin())
         rids, tokens = self._book_decodes(d, reports[:clean, 4]) if clean else _NO_TOKENS
         self.stats.steps += len(reports)
@@ -512,7 +520,7 @@ class Engine:
         """``plan`` on the device, as the programs take it: the last plan's copy when the plan is the same
         (decode-only steps repeat theirs), else a new transfer. Passing the host array itself costs a
         transfer per call, a large part of a lean step on CPU."""
-        if self._sent is not None and np.array_equal(self._sent[0], plan.data):
+        if self._sent is not None and (self._sent[0] is plan.data or np.array_equal(self._sent[0], plan.data)):
             return self._sent[1]
         self._sent = plan.data, StepPlan(jax.device_put(plan.data, self._placement))
         self.stats.host_to_device_bytes += plan.data.nbytes
