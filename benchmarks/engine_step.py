@@ -18,8 +18,11 @@ attention) for decode steps at the given batch sizes; its excess over the no-op 
 ``--paths new,old,multi``: ``new`` is the vectorised allocator (``Engine(vectorised=True)``), ``old`` the
 per-request path (one ``schedule`` per request, ``vectorised=False``), ``multi`` the vectorised one with
 ``Engine(decode_steps=K)`` (``--decode-steps``: up to K decode steps per ``step()`` call, one program;
-each of its steps is charged its call's time / the steps the call ran), measured in the same run. Decode
-times are medians over the decode steps, prefill the median over ``--repeats`` fresh engines after a
+each of its steps is charged its call's time / the steps the call ran; a list such as ``8,16`` gives a
+row per K), measured in the same run. Decode times are medians over the decode steps (``decode_step_us``)
+and means (``decode_step_mean_us``: the median leaves out the slow steps where every request takes a
+block, the first decode step's window releases and the cold caches after the prefill, while the multi
+path spreads them over their call's steps), prefill the median over ``--repeats`` fresh engines after a
 warm-up engine that compiles every program.
 
 Each row also has, measured in the same process just before (this machine's speed drifts by tens of
@@ -30,7 +33,7 @@ charges per array passed in and out, about 3 us each on this CPU; the KV memory 
 tensor, 32 for full32).
 
 Run: ``python benchmarks/engine_step.py [--models full32,gemma3,gptoss] [--batch 64,256,1024]
-[--paths new,old,multi] [--decode-steps 8] [--decode 32] [--repeats 3] [--model-share 64,256] [--json]``.
+[--paths new,old,multi] [--decode-steps 8[,16]] [--decode 32] [--repeats 3] [--model-share 64,256] [--json]``.
 """
 
 from __future__ import annotations
@@ -122,11 +125,12 @@ def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int, d
     model = NoOpLM(layers)
     vectorised = path != "old"
     k = decode_steps if path == "multi" else 1
-    # Warm-up engine: compiles prepare (this prompt size) and the step programs.
+    # Warm-up engine: compiles prepare (this prompt size) and the step programs (the prefill, the first decode
+    # step's full program, then the lean or multi-step one).
     eng = make_engine(model, layers, batch, decode, vectorised, k)
     add_requests(eng, batch, decode, seed=0)
-    eng.step()
-    eng.step()
+    for _ in range(3):
+        eng.step()
     prefill, prefill_dev = [], []
     for r in range(repeats):
         eng = make_engine(model, layers, batch, decode, vectorised, k)
@@ -146,9 +150,10 @@ def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int, d
     if eng.stats.preemptions:
         raise RuntimeError("a decode step preempted: the pool is too small")
     us = lambda xs: round(statistics.median(xs) * 1e6, 1)
-    return {"model": model_name, "batch": batch, "path": path, "num_blocks": eng.layout.num_blocks,
+    return {"model": model_name, "batch": batch, "path": path, "decode_steps": k, "num_blocks": eng.layout.num_blocks,
             "groups": eng.layout.num_groups, "programs": eng.stats.bucket_steps,
-            "decode_step_us": us(steps), "decode_device_us": us(steps_dev),
+            "decode_step_us": us(steps), "decode_step_mean_us": round(statistics.mean(steps) * 1e6, 1),
+            "decode_device_us": us(steps_dev),
             "decode_host_us": round(us(steps) - us(steps_dev), 1),
             "prefill_us_per_request": round(us(prefill) / batch, 1),
             "prefill_device_us_per_request": round(us(prefill_dev) / batch, 1),
@@ -180,12 +185,23 @@ def main(argv=None) -> int:
     p.add_argument("--batch", default="64,256,1024")
     p.add_argument("--paths", default="new,old",
                    help="new (vectorised allocator), old (per request), multi (new, several decode steps a call)")
-    p.add_argument("--decode-steps", type=int, default=8, help="decode steps per call on the multi path")
+    p.add_argument("--decode-steps", default="8", help="decode steps per call on the multi path (a list: a row each)")
     p.add_argument("--decode", type=int, default=32, help="decode steps timed")
     p.add_argument("--repeats", type=int, default=3, help="prefills timed (fresh engines), after a warm-up")
     p.add_argument("--model-share", default="", help="batch sizes at which to time a tiny real model's decode step")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    try:
+        ks = [int(k) for k in a.decode_steps.split(",")]
+    except ValueError:
+        p.error(f"--decode-steps: integers, comma-separated, not {a.decode_steps!r}")
+    if min(ks) < 2:
+        p.error("--decode-steps: at least 2 (1 is the new path)")
+    runs = []
+    for path in a.paths.split(","):
+        if path not in ("new", "old", "multi"):
+            p.error(f"unknown path {path!r}: new, old or multi")
+        runs += [(path, k) for k in ks] if path == "multi" else [(path, 1)]
     rows, shares = [], []
     for m in a.models.split(","):
         if m not in MODELS:
@@ -193,11 +209,9 @@ def main(argv=None) -> int:
         for b in map(int, a.batch.split(",")):
             print(f"... {m} B={b} allocator_step", file=sys.stderr, flush=True)
             ref = allocator_step.run_one(m, b, a.repeats)
-            for path in a.paths.split(","):
-                if path not in ("new", "old", "multi"):
-                    p.error(f"unknown path {path!r}: new, old or multi")
-                print(f"... {m} B={b} {path}", file=sys.stderr, flush=True)
-                row = run_one(m, b, path, a.decode, a.repeats, a.decode_steps)
+            for path, k in runs:
+                print(f"... {m} B={b} {path}" + (f" K={k}" if path == "multi" else ""), file=sys.stderr, flush=True)
+                row = run_one(m, b, path, a.decode, a.repeats, k)
                 row.update(alloc_decode_us=ref["decode_step_us"], alloc_prefill_us_per_request=ref["prefill_us_per_request"],
                            decode_device_vs_alloc=round(row["decode_device_us"] / ref["decode_step_us"], 2))
                 rows.append(row)
@@ -209,10 +223,11 @@ def main(argv=None) -> int:
         print(json.dumps({"steps": rows, "model_share": shares}, indent=1))
         return 0
     print(f"machine: {machine.describe()}")
-    print(f"{'model':<8} {'B':>5} {'path':>5} {'decode step us':>15} {'device':>9} {'host':>9} {'floor':>7} "
+    print(f"{'model':<8} {'B':>5} {'path':>7} {'decode step us':>15} {'mean':>7} {'device':>9} {'host':>9} {'floor':>7} "
           f"{'alloc':>7} {'dev/alloc':>9} {'prefill us/req':>15} {'device':>9} {'alloc':>7}")
     for r in rows:
-        print(f"{r['model']:<8} {r['batch']:>5} {r['path']:>5} {r['decode_step_us']:>15} {r['decode_device_us']:>9} "
+        label = r["path"] + (str(r["decode_steps"]) if r["path"] == "multi" else "")
+        print(f"{r['model']:<8} {r['batch']:>5} {label:>7} {r['decode_step_us']:>15} {r['decode_step_mean_us']:>7} {r['decode_device_us']:>9} "
               f"{r['decode_host_us']:>9} {r['floor_us']:>7} {r['alloc_decode_us']:>7} {r['decode_device_vs_alloc']:>9} "
               f"{r['prefill_us_per_request']:>15} {r['prefill_device_us_per_request']:>9} "
               f"{r['alloc_prefill_us_per_request']:>7}")

@@ -47,17 +47,41 @@ def test_allocator_benchmark_runs_both_decode_paths_and_reruns_with_hugepages():
 
 def test_engine_benchmark_runs_against_the_allocator_benchmark():
     # 4 requests of one hybrid model through the engine (vectorised allocator; one decode step a call, then
-    # two), with allocator_step.py's figures for the same workload alongside. The per-request path (--paths old) is the same Engine
+    # up to two and three), with allocator_step.py's figures for the same workload alongside. The per-request path (--paths old) is the same Engine
     # with vectorised=False, which test_engine_paths.py runs step by step.
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/engine_step.py"), "--models", "gptoss",
                            "--batch", "4", "--decode", "4", "--repeats", "1", "--paths", "new,multi",
-                           "--decode-steps", "2", "--json"],
+                           "--decode-steps", "2,3", "--json"],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    new, multi = json.loads(proc.stdout)["steps"]
-    assert (new["path"], multi["path"]) == ("new", "multi")
-    for row in (new, multi):
-        assert row["decode_step_us"] > 0 and row["prefill_us_per_request"] > 0 and row["alloc_decode_us"] > 0
-        assert row["floor_us"] > 0 and row["decode_host_us"] >= 0
+    new, multi2, multi3 = json.loads(proc.stdout)["steps"]
+    assert [(r["path"], r["decode_steps"]) for r in (new, multi2, multi3)] == [("new", 1), ("multi", 2), ("multi", 3)]
+    for row in (new, multi2, multi3):
+        assert row["decode_step_us"] > 0 and row["decode_step_mean_us"] > 0 and row["prefill_us_per_request"] > 0
+        assert row["alloc_decode_us"] > 0 and row["floor_us"] > 0 and row["decode_host_us"] >= 0
     assert any(k.startswith("lean") for k in new["programs"])  # the decode fast path ran
-    assert any(k.startswith("multi-step") for k in multi["programs"])  # several decode steps per program
+    for multi in (multi2, multi3):  # several decode steps per program
+        assert any(k.startswith("multi-step") for k in multi["programs"])
+
+
+def test_vllm_mean_script_reports_the_mean_of_the_steps_the_oracle_takes_the_median_of(tmp_path):
+    # A stand-in for the oracle's replay.py (vLLM is not a dependency): bench_one takes the median of its
+    # step times first, as the oracle's does; the script must report that median, the mean and the first step.
+    (tmp_path / "replay.py").write_text(
+        "import statistics, types\n"
+        "vllm = types.SimpleNamespace(__version__='stand-in')\n"
+        "def bench_one(model, B, L, D, bs, caching, shared_prefix, seed):\n"
+        "    steps = [0.009 + seed * 0.001] + [0.001] * (D - 1)\n"
+        "    return {'decode_step_us_median': statistics.median(steps) * 1e6,\n"
+        "            'other': statistics.median([5.0, 6.0])}\n")
+    script = str(ROOT / "benchmarks/vllm_decode_mean.py")
+    proc = subprocess.run([sys.executable, script, "--oracle", str(tmp_path), "--models", "full32", "--batch", "8",
+                           "--decode-steps", "4", "--repeats", "3", "--json"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(proc.stdout)
+    # Runs (seeds 0-2): first steps 9, 10, 11 ms, then 1 ms: medians 1000 us, means 3000/3250/3500 us.
+    assert (row["decode_step_us"], row["decode_step_mean_us"], row["first_step_us"]) == (1000.0, 3250.0, 10000.0)
+    bad = subprocess.run([sys.executable, script, "--oracle", str(tmp_path / "nowhere")],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "no replay.py" in bad.stderr

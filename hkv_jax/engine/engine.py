@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import time
 from dataclasses import dataclass, field, replace
@@ -65,6 +66,13 @@ _NO_TOKENS = (np.zeros(0, np.int64), np.zeros(0, np.int32))
 _MAX_PENDING = 256
 # Report rows ok, num_new, cache_hit, sampled of a lane that decoded one token and sampled it.
 _CLEAN_DECODE = np.array([1, 1, 0, 1], np.int32)[:, None]
+
+
+@functools.cache
+def _sender(placement: jax.sharding.Sharding):
+    """A copy to ``placement`` through a jitted identity: its C++ dispatch moves a small host array about 5x
+    faster than ``jax.device_put`` (about 7 against 36 us on CPU)."""
+    return jax.jit(lambda x: x, out_shardings=placement)
 
 
 def _nbytes(tree) -> int:
@@ -233,7 +241,8 @@ class Engine:
         self._idle_next = np.zeros(max_requests, bool)
         # Committed to their devices from the start, as a checkpoint restores them: a restored state then
         # runs the programs already compiled.
-        self._placement = placement = jax.devices()[0] if mesh is None else replicated(mesh)
+        self._placement = placement = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
+                                       else replicated(mesh))
         alloc, key = jax.device_put((init_state(self.layout), jax.random.PRNGKey(seed)), placement)
         cache = init_cache(self.config, mesh)
         self.state = EngineState(alloc, cache if mesh is not None else jax.device_put(cache, placement), key)
@@ -522,7 +531,7 @@ class Engine:
         host array itself costs a transfer per call, a large part of a lean step on CPU."""
         if self._sent is not None and self._sent[0] is plan.data:
             return self._sent[1]
-        self._sent = plan.data, StepPlan(jax.device_put(plan.data, self._placement))
+        self._sent = plan.data, StepPlan(_sender(self._placement)(plan.data))
         self.stats.host_to_device_bytes += plan.data.nbytes
         return self._sent[1]
 
