@@ -129,15 +129,20 @@ def test_sharded_engine_equals_one_device_in_one_process_and_across_two(tmp_path
 
     for heads, (out_err, pool_err) in runs.pop("attention").items():  # one layer, mesh 2x4
         assert out_err < 1e-5 and pool_err < 1e-6, heads
-    for model, model_runs, split in ((MODEL, runs, {"1": 0, "4": 8 * 4, "8": 6 * 4}),
-                                     # q, o, gate, up, down, and the scales of the column-split q, gate, up
-                                     (INT8_MODEL, int8_runs, {"1": 0, "8": 8 * 6})):
+    # An int8 model rounds its activations to int8 steps (1/127 of each row's peak). Under a mesh XLA may
+    # compile the float parts around the products differently (it did on an AMD EPYC, not on a Xeon), and
+    # a value at a rounding step then moves by one step (hkv_jax/models/quant.py): its logits agree to a
+    # few steps (the largest gap seen: 0.033, on logits of a few units), its tokens and allocator exactly.
+    for model, model_runs, split, rel in ((MODEL, runs, {"1": 0, "4": 8 * 4, "8": 6 * 4}, 0.0),
+                                          # q, o, gate, up, down, and the scales of the column-split q, gate, up
+                                          (INT8_MODEL, int8_runs, {"1": 0, "8": 8 * 6}, 0.03)):
         base = model_runs["1x1"]
         assert base["preemptions"] > 0 and base["hits"] > 0, model
         for name, run in model_runs.items():
             assert run["tokens"] == base["tokens"], (model, name)
             for got, want in zip(run["logits"], base["logits"]):
-                np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=f"{model} {name}")
+                atol = max(1e-4, rel * np.abs(want).max())
+                np.testing.assert_allclose(got, want, atol=atol, rtol=0, err_msg=f"{model} {name}")
             assert run["alloc"] == base["alloc"], (model, name)
             # The pool splits where the model axis divides the 4 KV heads.
             assert set(run["shards"]) == ({4} if name.startswith("2x4") else {1}), (model, name)
