@@ -120,11 +120,11 @@ def dispatch_floor(engine: Engine, runs: int = 200) -> float:
     return statistics.median(times[runs // 5:])
 
 
-def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int, decode_steps: int = 1) -> dict:
+def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int, k: int = 1) -> dict:
+    """One row: ``path`` with up to ``k`` decode steps a call (``k`` > 1 only on the multi path)."""
     layers = workload_layers(model_name, head_size=1)
     model = NoOpLM(layers)
     vectorised = path != "old"
-    k = decode_steps if path == "multi" else 1
     # Warm-up engine: compiles prepare (this prompt size) and the step programs (the prefill, the first decode
     # step's full program, then the lean or multi-step one).
     eng = make_engine(model, layers, batch, decode, vectorised, k)
