@@ -1,18 +1,21 @@
 """Serve a tiny model on one device and on (data, model) meshes; print tokens and allocator state as JSON.
 
-Run by ``tests/test_sharding.py`` in a process of its own with 8 host devices
-(``XLA_FLAGS=--xla_force_host_platform_device_count=8``). Usage: ``sharded_serve.py MODEL DATAxMODEL ...
-[--attention]`` (``1x1``: no mesh, the single-device reference; ``--attention``: also one attention layer
-under a 2x4 mesh against one device).
+Run by ``tests/test_sharding.py`` in a process of its own with 8 host devices and XLA's dump of the step
+programs (``XLA_FLAGS=--xla_force_host_platform_device_count=8 --xla_dump_to=DIR
+--xla_dump_hlo_module_re=jit_step``). Usage: ``sharded_serve.py MODEL DATAxMODEL ... [--attention]``
+(``1x1``: no mesh, the single-device reference; ``--attention``: also one attention layer under a 2x4 mesh
+against one device).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -51,6 +54,7 @@ def serve(name: str, mesh) -> dict:
     engine = Engine(model(name), num_blocks=MODELS[name][2], block_size=8, max_requests=4, max_model_len=80,
                     token_budget=32, token_buckets=(32,), mesh=mesh)
     rids = [engine.add_request(p, 6) for p in prompts()]
+    compiled_before = _step_programs()
     logits = {rid: [] for rid in rids}
     t = time.perf_counter()
     while engine.has_work:
@@ -64,20 +68,31 @@ def serve(name: str, mesh) -> dict:
             "preemptions": engine.stats.preemptions,
             "hits": engine.stats.cache_hit_tokens, "alloc": alloc, "pool_specs": [str(s) for s in pool],
             "split_weights": sum(not x.sharding.is_fully_replicated for x in engine.params),
-            "shards": list(engine.state.cache.layout.shards), "all_gathers": all_gathers(engine)}
+            "shards": list(engine.state.cache.layout.shards),
+            **collectives(_step_programs() - compiled_before)}
 
 
-def all_gathers(engine: Engine) -> list[str]:
-    """The result shapes of every all-gather in the compiled step program (``f32[20,2,4,8,32]{...}``);
-    one of ``num_blocks`` rows gathers pages of the pool, which must not happen."""
-    from hkv_jax.engine.engine import _STEP
-    from hkv_jax.engine.step import StepPlan
+def _step_programs() -> set[Path]:
+    """The step programs XLA has compiled in this process so far, as dumped (optimized HLO text)."""
+    found = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    if found is None:
+        raise SystemExit("needs XLA_FLAGS with --xla_dump_to=DIR --xla_dump_hlo_module_re=jit_step "
+                         "(tests/test_sharding.py sets it)")
+    return set(Path(found.group(1)).glob("*.jit_step.cpu_after_optimizations.txt"))
 
-    R = engine.layout.max_requests
-    plan = StepPlan.pack(np.full(R, -1, np.int32), np.zeros(R, np.int32), 0.0, 1.0)
-    with engine._on_mesh():
-        text = _STEP.lower(engine.statics[0], engine.params, engine.state, plan).compile().as_text()
-    return re.findall(r"= (\S+) all-gather\(", text)
+
+def collectives(programs: set[Path]) -> dict:
+    """What the step programs a serve compiled hold: their partition counts, how many all-reduces, and the
+    result shape of every all-gather (``f32[20,2,4,8,32]{...}``; one of ``num_blocks`` rows gathers pages of
+    the pool, which must not happen). Read from XLA's dump of the programs the engine ran (compiling one
+    again to read it took as long as serving)."""
+    if not programs:
+        raise SystemExit("no step program was compiled while serving (a program reused from an earlier serve)")
+    texts = [p.read_text() for p in sorted(programs)]
+    return {"partitions": sorted({int(re.search(r"num_partitions=(\d+)", t).group(1)) if "num_partitions=" in t
+                                  else 1 for t in texts}),
+            "all_reduces": sum(len(re.findall(r" all-reduce(?:-start)?\(", t)) for t in texts),
+            "all_gathers": [s for t in texts for s in re.findall(r"= (\S+) all-gather(?:-start)?\(", t)]}
 
 
 def attention_errors(shape: tuple[int, int]) -> dict[str, list[float]]:

@@ -109,16 +109,19 @@ def test_sharded_engine_equals_one_device_in_one_process_and_across_two(tmp_path
     """8 host devices in one process (mesh 1x8 against no mesh), and a 2x4 mesh (the pool split 4
     ways) over two processes of 4 devices each (``jax.distributed``, gloo): same tokens, logits, allocator
     state. A fourth process serves a model with int8 weights on 1x8 against no mesh (``INT8_MODEL``)."""
-    def start(args, devices):
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    def start(args, devices, name):  # each process dumps its step programs for sharded_serve to read
+        flags = (f"--xla_force_host_platform_device_count={devices} --xla_dump_to={tmp_path / name} "
+                 "--xla_dump_hlo_module_re=jit_step")
+        env = dict(os.environ, XLA_FLAGS=flags,
                    PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
         return subprocess.Popen([sys.executable, *map(str, args)], env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     port = _free_port()
-    procs = [start([HERE / "sharded_serve.py", MODEL, *MESHES, "--attention"], 8),
-             start([HERE / "sharded_serve.py", INT8_MODEL, *MESHES], 8)] + [
-        start([HERE / "distributed_serve.py", i, port, MODEL, "2x4", tmp_path / "two.json"], 4) for i in (0, 1)]
+    procs = [start([HERE / "sharded_serve.py", MODEL, *MESHES, "--attention"], 8, "float"),
+             start([HERE / "sharded_serve.py", INT8_MODEL, *MESHES], 8, "int8")] + [
+        start([HERE / "distributed_serve.py", i, port, MODEL, "2x4", tmp_path / "two.json"], 4, f"two{i}")
+        for i in (0, 1)]
     outs = [p.communicate(timeout=900) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
@@ -148,6 +151,11 @@ def test_sharded_engine_equals_one_device_in_one_process_and_across_two(tmp_path
             assert set(run["shards"]) == ({4} if name.startswith("2x4") else {1}), (model, name)
             # Per layer: q, k, v, o, sinks, gate, up, down; the 4 KV heads' k and v do not split 8 ways.
             assert run["split_weights"] == split[name[2]], (model, name)
-            # No all-gather rebuilds pages of the pool (a result of num_blocks rows), split or replicated.
+            # The programs read are the ones compiled for this mesh; under a mesh the split weights' partial
+            # products are summed (all-reduce). No all-gather rebuilds pages of the pool (a result of
+            # num_blocks rows), split or replicated.
+            one = name == "1x1"
+            assert run["partitions"] == [1 if one else 8], (model, name)
+            assert (run["all_reduces"] == 0) == one, (model, name)
             blocks = sharded_serve.MODELS[model][2]
             assert not [s for s in run["all_gathers"] if re.match(rf"\w+\[{blocks},", s)], (model, name)
