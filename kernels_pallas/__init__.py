@@ -5,8 +5,8 @@ Shapes and conventions: ``reference.py``. Implementations (``impl``):
 ``reference``
     Dense pure jnp (gathers every token's whole block table at once); the oracle.
 ``blocked``
-    Pure jnp, a loop over block-table columns with an online softmax
-    (``blocked.py``): the reference's results without its per-token copies of
+    Pure jnp, a loop over block-table columns (up to 8 an iteration) with an
+    online softmax (``blocked.py``): the reference's results without its per-token copies of
     the KV; the CPU/TPU path.
 ``triton``
     The portable Pallas kernels (``paged_attention_portable.py``,

@@ -21,6 +21,20 @@ def test_attention_benchmark_smoke_checks_and_times_every_implementation():
     assert all(r["time_us"] > 0 and r["bytes"] > 0 for r in rows)
 
 
+def test_cpu_attention_benchmark_times_each_column_count_with_equal_outputs():
+    script = str(ROOT / "benchmarks/attention_cpu.py")
+    proc = subprocess.run([sys.executable, script, "--smoke", "--columns", "1,3,auto", "--repeats", "2", "--json"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)["rows"]
+    assert [(r["case"], r["columns"]) for r in rows] == [
+        (case, c) for case in ("smoke decode", "smoke prefill, window 24") for c in (1, 3, "auto")]
+    assert all(r["ms"] > 0 and r["max_diff_from_1"] < 1e-5 for r in rows)
+    bad = subprocess.run([sys.executable, script, "--columns", "0"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert bad.returncode == 2 and "--columns takes positive numbers" in bad.stderr
+
+
 def test_window_eviction_benchmark_reaches_the_ideal_hits_in_an_ample_pool():
     # A pool that evicts nothing: both eviction orders serve every block computed before.
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/window_eviction.py"), "--conversations", "3",

@@ -127,7 +127,7 @@ def test_reference_equals_dense_attention(case):
 @given(cases())
 def test_blocked_loop_equals_dense_attention(case):
     check(run(blocked.paged_attention, case), case)  # 1 query per work item where all can be decodes, else 16
-    check(run(blocked.paged_attention, case, block_q=3), case)
+    check(run(blocked.paged_attention, case, block_q=3, columns=3), case)  # tables padded to whole iterations
 
 
 @settings(max_examples=12, **SETTINGS)
