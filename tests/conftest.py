@@ -44,7 +44,7 @@ def _preload_no_jit_eh_frames() -> None:
 
 _preload_no_jit_eh_frames()
 
-# The longest tests (or xdist groups), longest first: 250, 85, 70-100, 80, 75, 65 and 60-150 s on 2 cores.
+# The longest tests (or xdist groups), longest first: 200, 120, 40-60, 55, 45, 30 and 25-35 s on 2 cores (AMD EPYC).
 # Sent to the workers first (``--no-loadscope-reorder`` keeps this order), so that the suite does not end
 # with one worker on a long test while the other core idles.
 LONGEST_FIRST = (
