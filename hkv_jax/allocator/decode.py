@@ -188,11 +188,16 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
         return after[g][bidx, j] if g in after else tables[slots, g, j]
 
     def wide_calls(tables):
-        """Every release group's rows after the step, and all free calls ``[B * groups * 2, M]`` (request,
-        group, call order) with which go to the front early (built only in a busy step)."""
+        """Every release group's rows after the step, and all free calls ``[B * calls, M]`` (request, group,
+        call order) with which go to the front early (built only in a busy step). A window group's second
+        call is always empty (only a Mamba group frees a previous state), so it is left out: the first step
+        after long prefills frees most of the pool, and every entry costs in each pass over the calls."""
         out = {g: wide_releases(tables, g) for g in release_groups}
-        wide = jnp.stack([o[2] for o in out.values()], 1).reshape(-1, M)
-        return {g: o[0] for g, o in out.items()}, wide, jnp.broadcast_to(early[:, None], wide.shape)
+        per_group = {g: rel if layout.is_mamba(g) else rel[:, :1] for g, (_, _, rel) in out.items()}
+        wide = jnp.concatenate(list(per_group.values()), 1).reshape(-1, M)
+        wide_early = jnp.concatenate([jnp.full(rel.shape[:2], layout.evicts_early(g)) for g, rel in per_group.items()],
+                                     1).reshape(-1)
+        return {g: o[0] for g, o in out.items()}, wide, jnp.broadcast_to(wide_early[:, None], wide.shape)
 
     def make_plan(state: AllocatorState) -> _DecodePlan:
         pool, cache = state.bp.pool, state.bp.cache
