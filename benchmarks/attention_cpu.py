@@ -16,7 +16,6 @@ Run: ``python benchmarks/attention_cpu.py [--columns 1,4,8,auto] [--repeats 20] 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -89,10 +88,7 @@ def main(argv=None) -> int:
             if not args.json:
                 print(f"{name}: columns {row['columns']}: {row['ms']} ms (differs from 1 column by "
                       f"{row['max_diff_from_1']:.1e})", flush=True)
-    if args.json:
-        print(json.dumps({"machine": machine.describe(), "rows": rows}, indent=1))
-    else:
-        print(machine.describe())
+    machine.print_rows(rows, args.json)
     return 0
 
 

@@ -5,6 +5,7 @@ figures only compare on the same CPU, so every benchmark prints this line with i
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from pathlib import Path
@@ -26,3 +27,12 @@ def cpu_model() -> str:
 def describe() -> str:
     """``"Intel(R) Xeon(R) Processor, 2 cores, cpu, jax 0.12.0.1"``."""
     return f"{cpu_model()}, {os.cpu_count()} cores, {jax.devices()[0].platform}, jax {jax.__version__}"
+
+
+def print_rows(rows: list[dict], as_json: bool) -> None:
+    """A benchmark's ending: its rows and this machine as one JSON object (``as_json``), else the machine
+    line after the rows the benchmark printed as it went."""
+    if as_json:
+        print(json.dumps({"machine": describe(), "rows": rows}, indent=1))
+    else:
+        print(describe())

@@ -14,7 +14,6 @@ Run: ``python benchmarks/matmul_cpu.py [--rows 1,2,8,32,128] [--repeats 7] [--js
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -71,10 +70,7 @@ def main(argv=None) -> int:
                 extra = f", int8 unpadded {row['int8_unpadded_ms']}" if r == 1 else ""
                 print(f"{name} [{r}, {k}] x [{k}, {n}]: float32 {row['float32_ms']} ms, int8 {row['int8_ms']} ms"
                       f"{extra}", flush=True)
-    if args.json:
-        print(json.dumps({"machine": machine.describe(), "rows": rows}, indent=1))
-    else:
-        print(machine.describe())
+    machine.print_rows(rows, args.json)
     return 0
 
 
