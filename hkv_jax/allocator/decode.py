@@ -13,14 +13,15 @@ from hkv_jax.allocator import block_pool as BP
 from hkv_jax.allocator import pool as P
 from hkv_jax.allocator.coordinator import schedule_batch
 from hkv_jax.allocator.managers import allocation, release_row, skipped_tokens
-from hkv_jax.allocator.state import RUNNING, AllocatorState, Layout, counter, set_counters, switch_mutable
+from hkv_jax.allocator.state import (RUNNING, AllocatorState, Layout, cond_mutable, counter, set_counters,
+                                     switch_mutable)
 from hkv_jax.spec import FullAttentionSpec
 
 
 class _DecodePlan(NamedTuple):
     """What a busy decode step does (``decode_step``), planned read-only."""
 
-    branch: jax.Array     # i32[]: 1 vectorised, 2 vectorised with many releases, 3 sequential
+    branch: jax.Array     # i32[]: 1 vectorised, 2 vectorised with many releases if they fit, 3 sequential
     releases: P.Release   # the free calls of the vectorised branch (one block each)
     pop: P.PopPlan        # the new blocks
     new_block: jax.Array  # i32[B, G]: the new block of each (request, group), 0 = none
@@ -217,14 +218,9 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
         todo = (nfull > before) & (blk > 0)
         # Vectorised, a block is cached only where before == nfull - 1: one hash per request.
         keys = state.hashes[slots, jnp.clip(nfull[:, 0] - 1, 0, state.hashes.shape[1] - 1)]  # [B, 4]
-        many = jnp.bool_(False)
-        if release_groups:
-            # Free calls releasing several blocks (the first step after a long prefill): vectorised too.
-            def many_ok():
-                wide = _plan_releases(cache, pool, *wide_calls(state.tables)[1:])
-                return wide.fits & ((total == 0) | ~jnp.any(wide.to_front))
-
-            many = jax.lax.cond(vectorisable & ~single, many_ok, lambda: jnp.bool_(False))
+        # Free calls releasing several blocks (the first step after a long prefill) are planned in their
+        # own branch, which applies them only where they fit (else nothing: path 3).
+        many = vectorisable & ~single & bool(release_groups)
         branch = jnp.where(fast, 1, jnp.where(many, 2, 3)).astype(jnp.int32)
         return _DecodePlan(branch, releases, pop, new_block, blk, todo, keys)
 
@@ -232,6 +228,9 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
 
     def count_token(state: AllocatorState):
         return state.with_counters(at, num_computed=C + 1), (mask, jnp.int32(0))
+
+    def unapplied(state: AllocatorState):
+        return state, (jnp.zeros(B, bool), jnp.int32(3))
 
     def vectorised(state: AllocatorState, plan: _DecodePlan, releases: P.Release, rows_after: dict | None):
         p = P.pop_apply(P.apply_free(state.bp.pool, releases), plan.pop)
@@ -257,31 +256,34 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
             tables=tables,
         ).with_counters(at, table_len=lens_new, retired=retired_new, last_state=last_new, num_cached=num_cached,
                         num_computed=C + 1)
-        return st, mask
+        return st, (mask, jnp.int32(2 if rows_after else 1))
 
     def many_releases(state: AllocatorState, plan: _DecodePlan):
+        """The free calls as they are (several blocks each), planned once: applied when they fit and none
+        goes to the front while blocks are taken, else nothing is (path 3)."""
         rows_after, wide, wide_early = wide_calls(state.tables)
         rel = _plan_releases(state.bp.cache, state.bp.pool, wide, wide_early)
         rel, state = jax.lax.optimization_barrier((rel, state))  # reads before writes, as in ``busy``
-        return vectorised(state, plan, rel, rows_after)
+        go = rel.fits & ((total == 0) | ~jnp.any(rel.to_front))
+        return cond_mutable(go, lambda s: vectorised(s, plan, rel, rows_after), unapplied, state)
 
     def sequential(state: AllocatorState):
-        if not fallback:
-            return state, jnp.zeros(B, bool)
         st, ok, _, _ = schedule_batch(layout, state, slots, jnp.ones(B, jnp.int32), mask)
-        return st, ok
+        return st, (ok, jnp.int32(3))
 
     def busy(state: AllocatorState):
         """Plan (reads), then update in place: the barrier orders the reads before the writes,
         else XLA copies the pool and the cache in every branch."""
         plan = make_plan(state)
         plan, state = jax.lax.optimization_barrier((plan, state))
-        fns = [lambda s: vectorised(s, plan, plan.releases, None), lambda s: many_releases(s, plan), sequential]
+        fns = [lambda s: vectorised(s, plan, plan.releases, None), lambda s: many_releases(s, plan), unapplied]
         index = plan.branch - 1
         if not release_groups:  # the branch is never 2: no many-release branch to compile
             fns, index = [fns[0], fns[2]], jnp.minimum(index, 1)
-        st, ok = switch_mutable(index, fns, state)
-        return st, (ok, plan.branch)
+        state, (ok, path) = switch_mutable(index, fns, state)
+        if fallback:  # one copy of the sequential schedule, after the branch that found it needed
+            state, (ok, path) = cond_mutable(path == 3, sequential, lambda s: (s, (ok, path)), state)
+        return state, (ok, path)
 
     state, (ok, path) = switch_mutable(jnp.where(idle, 0, 1), [count_token, busy], state)
     return state, ok, path
