@@ -73,3 +73,35 @@ def test_running_count_is_a_cumsum(n):
     flags = np.random.default_rng(n).random(n) < 0.3
     got = jax.jit(P.running_count)(jnp.asarray(flags))
     assert got.dtype == jnp.int32 and np.array_equal(np.asarray(got), np.cumsum(flags))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pops_after_releases_match_one_request_after_another(seed):
+    """Requests free blocks (some to the front) then take some, one after another, on a plain list:
+    the same blocks taken, from the same places, and the same blocks left at the front in order."""
+    rng = np.random.default_rng(seed)
+    B, calls, W, most = 9, 2, 3, 4
+    blocks = rng.permutation(np.arange(1, 1 + B * calls * W)).reshape(B * calls, W).astype(np.int32)
+    blocks[rng.random(blocks.shape) < 0.2] = 0
+    to_front = (blocks > 0) & (rng.random(blocks.shape) < [0.7, 0.3, 0.0][seed % 3])
+    pops = rng.integers(0, most + 1, B).astype(np.int32)
+    rel = P.Release(jnp.asarray(blocks), jnp.asarray(blocks > 0), jnp.asarray(to_front), jnp.bool_(True))
+    got = jax.jit(P.pops_after_releases, static_argnums=2)(rel, jnp.asarray(pops), most)
+
+    queue, old = [], iter(range(-1, -1000, -1))  # negative ids: the queue as it was
+    taken = []
+    for r in range(B):
+        for c in range(r * calls, (r + 1) * calls):
+            queue = [int(b) for b, f in zip(blocks[c], to_front[c]) if f] + queue
+        taken.append([queue.pop(0) if queue else next(old) for _ in range(pops[r])])
+    ids, old_rank = np.asarray(got.ids), np.asarray(got.old_rank)
+    for r in range(B):
+        want_ids = [b if b > 0 else 0 for b in taken[r]] + [0] * (most - pops[r])
+        want_old = [-b - 1 if b < 0 else -1 for b in taken[r]] + [-1] * (most - pops[r])
+        assert ids[r].tolist() == want_ids and old_rank[r].tolist() == want_old, r
+    assert int(got.old_count) == sum(b < 0 for t in taken for b in t)
+    # What stays at the front, as ``apply_free`` orders it: later calls first, each in its own order.
+    kept = np.asarray(got.release.to_front)
+    front = [int(b) for c in range(B * calls - 1, -1, -1) for b, k in zip(blocks[c], kept[c]) if k]
+    assert front == queue
+    assert np.array_equal(np.asarray(got.release.now_free), (blocks > 0) & ~(to_front & ~kept))

@@ -22,8 +22,9 @@ class _DecodePlan(NamedTuple):
     """What a busy decode step does (``decode_step``), planned read-only."""
 
     branch: jax.Array     # i32[]: 1 vectorised, 2 vectorised with many releases if they fit, 3 sequential
-    releases: P.Release   # the free calls of the vectorised branch (one block each)
-    pop: P.PopPlan        # the new blocks
+    releases: P.Release   # the free calls (one block each), less the blocks taken again in the step
+    pop: P.PopPlan        # ``total`` blocks from the queue as it was ...
+    old_count: jax.Array  # i32[]: ... of which the step takes these (the others come from its releases)
     new_block: jax.Array  # i32[B, G]: the new block of each (request, group), 0 = none
     blk: jax.Array        # i32[B, G]: the block this token filled
     todo: jax.Array       # bool[B, G]: ... and it enters the prefix cache
@@ -45,12 +46,11 @@ def decode_step(layout: Layout, state: AllocatorState, slots, fallback: bool = T
     at once with updates proportional to the blocks that move, not to the pool or the tables. A step
     where no block moves (no request needs a block, fills one or releases one: most steps) only
     counts the token. Otherwise: the out-of-window releases of every (request, group) in call order,
-    one pop from the queue head for all new blocks, then the cache inserts. That order equals vLLM's
-    request-by-request order when the new blocks come from blocks already free before the step and
-    no released block goes to the queue front (the steady state). Otherwise (a nearly full pool,
-    releases to the front while blocks are taken, a queue to compact, an evicted key with
-    duplicates) it falls back to ``schedule_batch``. A busy step plans everything read-only first,
-    so its branch updates the state in place.
+    the new blocks (each request's from the blocks it and earlier requests released to the front,
+    then from the queue head: ``pool.pops_after_releases``), then the cache inserts: vLLM's
+    request-by-request order. Where that needs more (a nearly full pool, a queue to compact, an
+    evicted key with duplicates) it falls back to ``schedule_batch``. A busy step plans everything
+    read-only first, so its branch updates the state in place.
     Returns (state, ok ``bool[B]``, the path taken ``i32[]``: 0 = only counted the token, 1 = vectorised,
     2 = vectorised with free calls releasing several blocks, 3 = sequential fallback).
 
@@ -200,29 +200,37 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
                                      1).reshape(-1)
         return {g: o[0] for g, o in out.items()}, wide, jnp.broadcast_to(wide_early[:, None], wide.shape)
 
-    def make_plan(state: AllocatorState) -> _DecodePlan:
-        pool, cache = state.bp.pool, state.bp.cache
-        releases = _plan_releases(cache, pool, flat[:, None], early[:, None])
-        # New blocks come from blocks free before the step (none released to the front when any is taken).
-        pop = P.pop_plan(pool, total, B * G)
-        vectorisable = (
-            jnp.all(running | ~mask) & (total <= pool.num_free) & pop.enough
-            & ~jnp.any(BP.pc.needs_promotion(cache, pop.ids)) & jnp.all(nfull - before <= 1)
-        )
-        fast = vectorisable & single & releases.fits & ((total == 0) | ~jnp.any(releases.to_front))
-        offset = (jnp.cumsum(cnt.reshape(-1)) - cnt.reshape(-1)).reshape(B, G)
-        new_block = jnp.where(cnt > 0, pop.ids[jnp.minimum(offset, B * G - 1)], 0)
+    def with_releases(plan: _DecodePlan, state: AllocatorState, releases: P.Release) -> tuple[_DecodePlan, jax.Array]:
+        """``plan`` with the free calls ``releases`` made first, request by request: each request's new
+        blocks come from the blocks it and earlier requests freed to the front, then from the queue as
+        it was (``pops_after_releases``). Also whether evicting the new blocks' cache entries needs no
+        promotion (a key with other blocks: the sequential schedule handles that)."""
+        taken = P.pops_after_releases(releases, jnp.sum(cnt, axis=1), G)
+        i = jnp.cumsum(cnt, axis=1) - cnt                                    # the pop of (request, group)
+        ids = jnp.take_along_axis(taken.ids, i, axis=1)
+        old = plan.pop.ids[jnp.clip(jnp.take_along_axis(taken.old_rank, i, axis=1), 0, B * G - 1)]
+        new_block = jnp.where(cnt > 0, jnp.where(ids > 0, ids, old), 0)
         # The blocks this token filled: at most one per (request, group), cached in request then group order.
         blk = jnp.stack([jnp.where((cnt[:, g] > 0) & (new_idx[:, g] == before[:, g]), new_block[:, g],
                                    entry(state.tables, g, before[:, g])) for g in range(G)], 1)
-        todo = (nfull > before) & (blk > 0)
+        plan = plan._replace(releases=taken.release, old_count=taken.old_count, new_block=new_block, blk=blk,
+                             todo=(nfull > before) & (blk > 0))
+        return plan, ~jnp.any(BP.pc.needs_promotion(state.bp.cache, new_block.reshape(-1)))
+
+    def make_plan(state: AllocatorState) -> _DecodePlan:
+        pool, cache = state.bp.pool, state.bp.cache
+        releases = _plan_releases(cache, pool, flat[:, None], early[:, None])
+        pop = P.pop_plan(pool, total, B * G)  # enough blocks free before the step, whatever the releases give
+        vectorisable = jnp.all(running | ~mask) & (total <= pool.num_free) & pop.enough & jnp.all(nfull - before <= 1)
         # Vectorised, a block is cached only where before == nfull - 1: one hash per request.
         keys = state.hashes[slots, jnp.clip(nfull[:, 0] - 1, 0, state.hashes.shape[1] - 1)]  # [B, 4]
+        plan, alone = with_releases(_DecodePlan(jnp.int32(0), releases, pop, total, cnt, cnt, cnt > 0, keys),
+                                    state, releases)
+        fast = vectorisable & single & releases.fits & alone
         # Free calls releasing several blocks (the first step after a long prefill) are planned in their
         # own branch, which applies them only where they fit (else nothing: path 3).
         many = vectorisable & ~single & bool(release_groups)
-        branch = jnp.where(fast, 1, jnp.where(many, 2, 3)).astype(jnp.int32)
-        return _DecodePlan(branch, releases, pop, new_block, blk, todo, keys)
+        return plan._replace(branch=jnp.where(fast, 1, jnp.where(many, 2, 3)).astype(jnp.int32))
 
     mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
 
@@ -232,9 +240,14 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
     def unapplied(state: AllocatorState):
         return state, (jnp.zeros(B, bool), jnp.int32(3))
 
-    def vectorised(state: AllocatorState, plan: _DecodePlan, releases: P.Release, rows_after: dict | None):
-        p = P.pop_apply(P.apply_free(state.bp.pool, releases), plan.pop)
-        c = BP.pc.evict_alone(state.bp.cache, plan.pop.ids)
+    def vectorised(state: AllocatorState, plan: _DecodePlan, rows_after: dict | None):
+        # The pops from the queue as it was first (the releases' front blocks go before the new head),
+        # then the releases; every new block held once.
+        p = P.apply_free(P.pop_apply(state.bp.pool, P.pop_prefix(plan.pop, plan.old_count), hold=False),
+                         plan.releases)
+        taken = plan.new_block.reshape(-1)
+        p = replace(p, ref_count=p.ref_count.at[jnp.where(taken > 0, taken, p.num_blocks)].set(1, mode="drop"))
+        c = BP.pc.evict_alone(state.bp.cache, taken)
         todo, blk = plan.todo, plan.blk
         c = BP.pc.insert_rows(c, jnp.where(todo, blk, 0), plan.keys)
         marked = jnp.where(todo & mamba_g[None, :], blk, 0)
@@ -259,13 +272,13 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
         return st, (mask, jnp.int32(2 if rows_after else 1))
 
     def many_releases(state: AllocatorState, plan: _DecodePlan):
-        """The free calls as they are (several blocks each), planned once: applied when they fit and none
-        goes to the front while blocks are taken, else nothing is (path 3)."""
+        """The free calls as they are (several blocks each), planned once: applied when they fit and the
+        new blocks' cache entries need no promotion, else nothing is (path 3)."""
         rows_after, wide, wide_early = wide_calls(state.tables)
         rel = _plan_releases(state.bp.cache, state.bp.pool, wide, wide_early)
-        rel, state = jax.lax.optimization_barrier((rel, state))  # reads before writes, as in ``busy``
-        go = rel.fits & ((total == 0) | ~jnp.any(rel.to_front))
-        return cond_mutable(go, lambda s: vectorised(s, plan, rel, rows_after), unapplied, state)
+        plan, alone = with_releases(plan, state, rel)
+        plan, state = jax.lax.optimization_barrier((plan, state))  # reads before writes, as in ``busy``
+        return cond_mutable(rel.fits & alone, lambda s: vectorised(s, plan, rows_after), unapplied, state)
 
     def sequential(state: AllocatorState):
         st, ok, _, _ = schedule_batch(layout, state, slots, jnp.ones(B, jnp.int32), mask)
@@ -276,7 +289,7 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
         else XLA copies the pool and the cache in every branch."""
         plan = make_plan(state)
         plan, state = jax.lax.optimization_barrier((plan, state))
-        fns = [lambda s: vectorised(s, plan, plan.releases, None), lambda s: many_releases(s, plan), unapplied]
+        fns = [lambda s: vectorised(s, plan, None), lambda s: many_releases(s, plan), unapplied]
         index = plan.branch - 1
         if not release_groups:  # the branch is never 2: no many-release branch to compile
             fns, index = [fns[0], fns[2]], jnp.minimum(index, 1)

@@ -164,6 +164,12 @@ def pop_apply(pool: BlockPool, plan: PopPlan, hold: bool = True) -> BlockPool:
                       num_free=pool.num_free - jnp.sum(plan.take, dtype=jnp.int32))
 
 
+def pop_prefix(plan: PopPlan, count: jax.Array) -> PopPlan:
+    """The first ``count`` blocks of ``plan`` (at most its count): a smaller pop from the same queue."""
+    return PopPlan(jnp.where(jnp.arange(plan.ids.shape[0]) < count, plan.ids, 0),
+                   plan.take & (running_count(plan.take) <= count), plan.entries, plan.enough)
+
+
 def pop_free(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOLE_SLACK) -> tuple[BlockPool, jax.Array]:
     """Take ``count`` (<= ``max_count``, static) blocks from the head of the queue.
 
@@ -260,6 +266,72 @@ def apply_free(pool: BlockPool, rel: Release) -> BlockPool:
         queue=pool.queue.at[jnp.where(now_free, new_pos, N)].set(flat, mode="drop"),
         pos=pool.pos.at[jnp.where(now_free, flat, N)].set(new_pos, mode="drop"),
         num_free=pool.num_free + n_front + n_back)
+
+
+class Interleaved(NamedTuple):
+    """Where the pops of requests that free blocks and then take some come from (``pops_after_releases``)."""
+
+    ids: jax.Array       # i32[B, P]: request r's i-th block, where it is one of the step's releases (else 0)
+    old_rank: jax.Array  # i32[B, P]: ... else its rank among the pops from the queue as it was (-1: no pop)
+    old_count: jax.Array  # i32[]: pops from the queue as it was
+    release: Release     # the releases less those taken again in the step (they never join the queue)
+
+
+def _last_at_most(values: jax.Array, before: jax.Array, limit: jax.Array) -> jax.Array:
+    """Per query: the largest ``j < before`` with ``values[j] <= limit`` (-1: none). ``values: i32[n]``;
+    ``before, limit``: any shape. Binary lifting over range minima, O(n log n + queries log n)."""
+    n = values.shape[0]
+    levels = [values]  # levels[k][i] = min(values[i : i + 2**k])
+    while 2 ** len(levels) <= n:
+        prev, span = levels[-1], 2 ** (len(levels) - 1)
+        levels.append(jnp.minimum(prev, jnp.concatenate([prev[span:], jnp.full(span, jnp.iinfo(jnp.int32).max)])))
+    pos = before
+    for k in reversed(range(len(levels))):
+        start = pos - 2 ** k
+        pos = jnp.where((start >= 0) & (levels[k][jnp.maximum(start, 0)] > limit), start, pos)
+    return pos - 1
+
+
+def pops_after_releases(rel: Release, pops: jax.Array, max_pops: int) -> Interleaved:
+    """Read-only: requests ``r = 0 .. B-1`` in turn make their free calls (rows ``r*K .. r*K+K-1`` of
+    ``rel``, planned by ``plan_free``; ``K = C // B``), then take ``pops[r]`` (<= ``max_pops``, static)
+    blocks from the head. Blocks freed to the front sit before the older free blocks, so a pop takes
+    the latest of them not yet taken, and the queue as it was only when none is left: a stack on top
+    of the queue. Heights: ``h_r = max(h_{r-1} + front_r - pops_r, 0)``; a pop at height ``p`` finds
+    the block of the last request whose push started at or below ``p``; a pushed block stays free iff
+    the height never falls to its position again. The same blocks as one request after another."""
+    C, W = rel.blocks.shape
+    B = pops.shape[0]
+    K = C // B
+    i = jnp.arange(max_pops)[None, :]
+    if C * W == 0:  # no free calls: every pop reads the queue as it was
+        old_rank = jnp.where(i < pops[:, None], (jnp.cumsum(pops) - pops)[:, None] + i, -1)
+        return Interleaved(jnp.zeros((B, max_pops), jnp.int32), old_rank, jnp.sum(pops), rel)
+    front = rel.to_front.reshape(B, K, W).astype(jnp.int32)
+    per_call = jnp.sum(front, axis=2)                                       # [B, K]
+    later = jnp.cumsum(per_call[:, ::-1], axis=1)[:, ::-1] - per_call       # front blocks of later calls
+    rank = later[:, :, None] + jnp.cumsum(front, axis=2) - front            # 0: the request's new head
+    u = jnp.sum(per_call, axis=1)                                           # [B]
+    level = jnp.cumsum(u - pops)
+    after = level - jnp.minimum(jax.lax.cummin(level), 0)                   # stack height after request r
+    before = jnp.concatenate([jnp.zeros(1, after.dtype), after[:-1]])
+    from_stack = jnp.minimum(pops, before + u)
+    old = pops - from_stack
+    stacked = i < from_stack[:, None]
+    height = before[:, None] + u[:, None] - 1 - i                           # [B, P] position popped
+    r = jnp.arange(B)[:, None]
+    j = jnp.where(i < u[:, None], r, _last_at_most(before, jnp.broadcast_to(r, height.shape), height))
+    j = jnp.maximum(j, 0)
+    start = jnp.cumsum(u) - u                                               # request r's blocks in ``pushed``
+    at = jnp.where(rel.to_front.reshape(B, K, W), start[:, None, None] + rank, C * W)
+    pushed = jnp.zeros(C * W, jnp.int32).at[at.reshape(-1)].set(rel.blocks.reshape(-1), mode="drop")
+    ids = jnp.where(stacked, pushed[jnp.clip(start[j] + before[j] + u[j] - 1 - height, 0, C * W - 1)], 0)
+    old_rank = jnp.where(~stacked & (i < pops[:, None]), (jnp.cumsum(old) - old)[:, None] + i - from_stack[:, None], -1)
+    # A pushed block is taken again iff the height falls to its position at or after its request.
+    lowest = jax.lax.cummin(after, reverse=True)
+    taken = rel.to_front & ((before + u)[:, None, None] - 1 - rank >= lowest[:, None, None]).reshape(C, W)
+    kept = rel._replace(now_free=rel.now_free & ~taken, to_front=rel.to_front & ~taken)
+    return Interleaved(ids, old_rank, jnp.sum(old), kept)
 
 
 def free_calls(pool: BlockPool, blocks: jax.Array, cached: jax.Array, distinct: bool = False) -> BlockPool:
