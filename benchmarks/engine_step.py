@@ -33,7 +33,8 @@ charges per array passed in and out, about 3 us each on this CPU; the KV memory 
 tensor, 32 for full32).
 
 Run: ``python benchmarks/engine_step.py [--models full32,gemma3,gptoss] [--batch 64,256,1024]
-[--paths new,old,multi] [--decode-steps 8[,16]] [--decode 32] [--repeats 3] [--model-share 64,256] [--json]``.
+[--paths new,old,multi] [--decode-steps 8[,16]] [--decode 32] [--repeats 3] [--model-share 64,256]
+[--window-aware-eviction] [--json]``.
 """
 
 from __future__ import annotations
@@ -84,13 +85,14 @@ def workload_layers(name: str, head_size: int):
     return layers_from_trace({"layer_pattern": {"num_layers": NUM_LAYERS[name], "pattern": pattern}})
 
 
-def make_engine(model, layers, batch: int, decode: int, vectorised: bool, decode_steps: int = 1) -> Engine:
+def make_engine(model, layers, batch: int, decode: int, vectorised: bool, decode_steps: int = 1,
+                early: bool = False) -> Engine:
     groups = len(plan(layers, block_size=BS, policy="vllm", num_blocks=2).groups)
     per_req = cdiv(PROMPT + decode + BS, BS)
     nb = batch * per_req * (groups + 1) + 64  # the oracle's pool size, as allocator_step.py
     return Engine(model, num_blocks=nb, block_size=BS, max_requests=batch, max_model_len=PROMPT + decode + 2 * BS,
                   token_budget=batch * PROMPT, token_buckets=(batch, batch * PROMPT), policy="vllm",
-                  impl="reference", vectorised=vectorised, decode_steps=decode_steps)
+                  impl="reference", vectorised=vectorised, decode_steps=decode_steps, window_aware_eviction=early)
 
 
 def timed_step(engine: Engine) -> tuple[float, float]:
@@ -120,20 +122,22 @@ def dispatch_floor(engine: Engine, runs: int = 200) -> float:
     return statistics.median(times[runs // 5:])
 
 
-def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int, k: int = 1) -> dict:
-    """One row: ``path`` with up to ``k`` decode steps a call (``k`` > 1 only on the multi path)."""
+def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int, k: int = 1,
+            early: bool = False) -> dict:
+    """One row: ``path`` with up to ``k`` decode steps a call (``k`` > 1 only on the multi path); ``early``:
+    window-aware eviction."""
     layers = workload_layers(model_name, head_size=1)
     model = NoOpLM(layers)
     vectorised = path != "old"
     # Warm-up engine: compiles prepare (this prompt size) and the step programs (the prefill, the first decode
     # step's full program, then the lean or multi-step one).
-    eng = make_engine(model, layers, batch, decode, vectorised, k)
+    eng = make_engine(model, layers, batch, decode, vectorised, k, early)
     add_requests(eng, batch, decode, seed=0)
     for _ in range(3):
         eng.step()
     prefill, prefill_dev = [], []
     for r in range(repeats):
-        eng = make_engine(model, layers, batch, decode, vectorised, k)
+        eng = make_engine(model, layers, batch, decode, vectorised, k, early)
         add_requests(eng, batch, decode, seed=r + 1)
         wall, dev = timed_step(eng)
         prefill.append(wall)
@@ -150,7 +154,8 @@ def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int, k
     if eng.stats.preemptions:
         raise RuntimeError("a decode step preempted: the pool is too small")
     us = lambda xs: round(statistics.median(xs) * 1e6, 1)
-    return {"model": model_name, "batch": batch, "path": path, "decode_steps": k, "num_blocks": eng.layout.num_blocks,
+    return {"model": model_name, "batch": batch, "path": path, "decode_steps": k, "window_aware_eviction": early,
+            "num_blocks": eng.layout.num_blocks,
             "groups": eng.layout.num_groups, "programs": eng.stats.bucket_steps,
             "decode_step_us": us(steps), "decode_step_mean_us": round(statistics.mean(steps) * 1e6, 1),
             "decode_device_us": us(steps_dev),
@@ -189,6 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode", type=int, default=32, help="decode steps timed")
     p.add_argument("--repeats", type=int, default=3, help="prefills timed (fresh engines), after a warm-up")
     p.add_argument("--model-share", default="", help="batch sizes at which to time a tiny real model's decode step")
+    p.add_argument("--window-aware-eviction", action="store_true",
+                   help="the engines evict out-of-window blocks first (allocator_step.py's figures stay vLLM's order)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     try:
@@ -211,7 +218,7 @@ def main(argv=None) -> int:
             ref = allocator_step.run_one(m, b, a.repeats)
             for path, k in runs:
                 print(f"... {m} B={b} {path}" + (f" K={k}" if path == "multi" else ""), file=sys.stderr, flush=True)
-                row = run_one(m, b, path, a.decode, a.repeats, k)
+                row = run_one(m, b, path, a.decode, a.repeats, k, a.window_aware_eviction)
                 row.update(alloc_decode_us=ref["decode_step_us"], alloc_prefill_us_per_request=ref["prefill_us_per_request"],
                            decode_device_vs_alloc=round(row["decode_device_us"] / ref["decode_step_us"], 2))
                 rows.append(row)
