@@ -200,21 +200,22 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
                                      1).reshape(-1)
         return {g: o[0] for g, o in out.items()}, wide, jnp.broadcast_to(wide_early[:, None], wide.shape)
 
-    def with_releases(plan: _DecodePlan, state: AllocatorState, releases: P.Release) -> tuple[_DecodePlan, jax.Array]:
-        """``plan`` with the free calls ``releases`` made first, request by request: each request's new
-        blocks come from the blocks it and earlier requests freed to the front, then from the queue as
-        it was (``pops_after_releases``). Also whether evicting the new blocks' cache entries needs no
-        promotion (a key with other blocks: the sequential schedule handles that)."""
+    def busy_plan(state: AllocatorState, releases: P.Release, pop: P.PopPlan, keys) -> tuple[_DecodePlan, jax.Array]:
+        """The busy step's plan (``branch`` left 0) with the free calls ``releases`` made first, request by
+        request: each request's new blocks come from the blocks it and earlier requests freed to the
+        front, then from ``pop`` (the queue as it was: ``pops_after_releases``). Also whether evicting the
+        new blocks' cache entries needs no promotion (a key with other blocks: the sequential schedule
+        handles that)."""
         taken = P.pops_after_releases(releases, jnp.sum(cnt, axis=1), G)
         i = jnp.cumsum(cnt, axis=1) - cnt                                    # the pop of (request, group)
         ids = jnp.take_along_axis(taken.ids, i, axis=1)
-        old = plan.pop.ids[jnp.clip(jnp.take_along_axis(taken.old_rank, i, axis=1), 0, B * G - 1)]
+        old = pop.ids[jnp.clip(jnp.take_along_axis(taken.old_rank, i, axis=1), 0, B * G - 1)]
         new_block = jnp.where(cnt > 0, jnp.where(ids > 0, ids, old), 0)
         # The blocks this token filled: at most one per (request, group), cached in request then group order.
         blk = jnp.stack([jnp.where((cnt[:, g] > 0) & (new_idx[:, g] == before[:, g]), new_block[:, g],
                                    entry(state.tables, g, before[:, g])) for g in range(G)], 1)
-        plan = plan._replace(releases=taken.release, old_count=taken.old_count, new_block=new_block, blk=blk,
-                             todo=(nfull > before) & (blk > 0))
+        plan = _DecodePlan(jnp.int32(0), taken.release, pop, taken.old_count, new_block, blk,
+                           (nfull > before) & (blk > 0), keys)
         return plan, ~jnp.any(BP.pc.needs_promotion(state.bp.cache, new_block.reshape(-1)))
 
     def make_plan(state: AllocatorState) -> _DecodePlan:
@@ -224,8 +225,7 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
         vectorisable = jnp.all(running | ~mask) & (total <= pool.num_free) & pop.enough & jnp.all(nfull - before <= 1)
         # Vectorised, a block is cached only where before == nfull - 1: one hash per request.
         keys = state.hashes[slots, jnp.clip(nfull[:, 0] - 1, 0, state.hashes.shape[1] - 1)]  # [B, 4]
-        plan, alone = with_releases(_DecodePlan(jnp.int32(0), releases, pop, total, cnt, cnt, cnt > 0, keys),
-                                    state, releases)
+        plan, alone = busy_plan(state, releases, pop, keys)
         fast = vectorisable & single & releases.fits & alone
         # Free calls releasing several blocks (the first step after a long prefill) are planned in their
         # own branch, which applies them only where they fit (else nothing: path 3).
@@ -276,7 +276,7 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
         new blocks' cache entries need no promotion, else nothing is (path 3)."""
         rows_after, wide, wide_early = wide_calls(state.tables)
         rel = _plan_releases(state.bp.cache, state.bp.pool, wide, wide_early)
-        plan, alone = with_releases(plan, state, rel)
+        plan, alone = busy_plan(state, rel, plan.pop, plan.keys)
         plan, state = jax.lax.optimization_barrier((plan, state))  # reads before writes, as in ``busy``
         return cond_mutable(rel.fits & alone, lambda s: vectorised(s, plan, rows_after), unapplied, state)
 
