@@ -304,34 +304,46 @@ def pops_after_releases(rel: Release, pops: jax.Array, max_pops: int) -> Interle
     B = pops.shape[0]
     K = C // B
     i = jnp.arange(max_pops)[None, :]
-    if C * W == 0:  # no free calls: every pop reads the queue as it was
+
+    def queue_only():
+        """No block freed to the front (or no pop): every pop reads the queue as it was."""
         old_rank = jnp.where(i < pops[:, None], (jnp.cumsum(pops) - pops)[:, None] + i, -1)
         return Interleaved(jnp.zeros((B, max_pops), jnp.int32), old_rank, jnp.sum(pops), rel)
-    front = rel.to_front.reshape(B, K, W).astype(jnp.int32)
-    per_call = jnp.sum(front, axis=2)                                       # [B, K]
-    later = jnp.cumsum(per_call[:, ::-1], axis=1)[:, ::-1] - per_call       # front blocks of later calls
-    rank = later[:, :, None] + jnp.cumsum(front, axis=2) - front            # 0: the request's new head
-    u = jnp.sum(per_call, axis=1)                                           # [B]
-    level = jnp.cumsum(u - pops)
-    after = level - jnp.minimum(jax.lax.cummin(level), 0)                   # stack height after request r
-    before = jnp.concatenate([jnp.zeros(1, after.dtype), after[:-1]])
-    from_stack = jnp.minimum(pops, before + u)
-    old = pops - from_stack
-    stacked = i < from_stack[:, None]
-    height = before[:, None] + u[:, None] - 1 - i                           # [B, P] position popped
-    r = jnp.arange(B)[:, None]
-    j = jnp.where(i < u[:, None], r, _last_at_most(before, jnp.broadcast_to(r, height.shape), height))
-    j = jnp.maximum(j, 0)
-    start = jnp.cumsum(u) - u                                               # request r's blocks in ``pushed``
-    at = jnp.where(rel.to_front.reshape(B, K, W), start[:, None, None] + rank, C * W)
-    pushed = jnp.zeros(C * W, jnp.int32).at[at.reshape(-1)].set(rel.blocks.reshape(-1), mode="drop")
-    ids = jnp.where(stacked, pushed[jnp.clip(start[j] + before[j] + u[j] - 1 - height, 0, C * W - 1)], 0)
-    old_rank = jnp.where(~stacked & (i < pops[:, None]), (jnp.cumsum(old) - old)[:, None] + i - from_stack[:, None], -1)
-    # A pushed block is taken again iff the height falls to its position at or after its request.
-    lowest = jax.lax.cummin(after, reverse=True)
-    taken = rel.to_front & ((before + u)[:, None, None] - 1 - rank >= lowest[:, None, None]).reshape(C, W)
-    kept = rel._replace(now_free=rel.now_free & ~taken, to_front=rel.to_front & ~taken)
-    return Interleaved(ids, old_rank, jnp.sum(old), kept)
+
+    if C * W == 0:
+        return queue_only()
+
+    def with_stack():
+        front = rel.to_front.reshape(B, K, W).astype(jnp.int32)
+        per_call = jnp.sum(front, axis=2)                                       # [B, K]
+        later = jnp.cumsum(per_call[:, ::-1], axis=1)[:, ::-1] - per_call       # front blocks of later calls
+        rank = later[:, :, None] + jnp.cumsum(front, axis=2) - front            # 0: the request's new head
+        u = jnp.sum(per_call, axis=1)                                           # [B]
+        level = jnp.cumsum(u - pops)
+        after = level - jnp.minimum(jax.lax.cummin(level), 0)                   # stack height after request r
+        before = jnp.concatenate([jnp.zeros(1, after.dtype), after[:-1]])
+        from_stack = jnp.minimum(pops, before + u)
+        old = pops - from_stack
+        stacked = i < from_stack[:, None]
+        height = before[:, None] + u[:, None] - 1 - i                           # [B, P] position popped
+        r = jnp.arange(B)[:, None]
+        j = jnp.where(i < u[:, None], r, _last_at_most(before, jnp.broadcast_to(r, height.shape), height))
+        j = jnp.maximum(j, 0)
+        start = jnp.cumsum(u) - u                                               # request r's blocks in ``pushed``
+        at = jnp.where(rel.to_front.reshape(B, K, W), start[:, None, None] + rank, C * W)
+        pushed = jnp.zeros(C * W, jnp.int32).at[at.reshape(-1)].set(rel.blocks.reshape(-1), mode="drop")
+        ids = jnp.where(stacked, pushed[jnp.clip(start[j] + before[j] + u[j] - 1 - height, 0, C * W - 1)], 0)
+        old_rank = jnp.where(~stacked & (i < pops[:, None]),
+                             (jnp.cumsum(old) - old)[:, None] + i - from_stack[:, None], -1)
+        # A pushed block is taken again iff the height falls to its position at or after its request.
+        lowest = jax.lax.cummin(after, reverse=True)
+        taken = rel.to_front & ((before + u)[:, None, None] - 1 - rank >= lowest[:, None, None]).reshape(C, W)
+        kept = rel._replace(now_free=rel.now_free & ~taken, to_front=rel.to_front & ~taken)
+        return Interleaved(ids, old_rank, jnp.sum(old), kept)
+
+    # The usual busy step (vLLM's order: out-of-window blocks are cached, so they go to the back) skips
+    # the passes over every release entry.
+    return jax.lax.cond(jnp.any(rel.to_front) & jnp.any(pops > 0), with_stack, queue_only)
 
 
 def free_calls(pool: BlockPool, blocks: jax.Array, cached: jax.Array, distinct: bool = False) -> BlockPool:
