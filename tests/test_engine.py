@@ -222,6 +222,59 @@ def test_orbax_save_and_load_continue_generation_bit_exactly(tmp_path):
     assert run_tokens(other) == want
 
 
+@SAME_SIZES["tiny-llama4"]
+def test_abort_ends_requests_in_every_state_and_frees_their_blocks():
+    """Aborted: a preempted request whose preemption is still pending, a waiting one the allocator refused
+    (its tokens in a slot), a running one mid-decode. They keep exactly the tokens sampled so far (the
+    dense model's), the others finish with the dense model's tokens, a request added after reuses the
+    slots, and at the end every block is free."""
+    model = tiny("tiny-llama4")
+    eng = llama4_engine(seed=0)
+    prompts = workload()
+    ids = [eng.add_request(p, 8) for p in prompts]
+    got = {rid: [] for rid in ids}
+
+    def step():
+        for rid, tok in eng.step():
+            got[rid].append(tok)
+
+    while not eng.stats.preemptions:  # this pool preempts within a few steps (the parity test's sizes)
+        assert eng.has_work
+        step()
+    victim = eng.waiting[0]  # a preempted request waits at the front; its blocks go in the next step
+    refused = [rid for rid in eng.waiting[1:] if eng.requests[rid].slot >= 0]
+    assert refused, "expected a waiting request the allocator refused"
+    aborted = [victim, refused[0]]
+    for rid in aborted:
+        assert eng.abort(rid)
+    while eng.waiting or not eng.running:  # every request left decodes, nothing waits
+        assert eng.has_work
+        step()
+    running = eng.running[0]
+    sampled = len(got[running])
+    assert eng.abort(running)
+    aborted.append(running)
+    assert not eng.abort(running)  # already ended
+    with pytest.raises(KeyError, match="no request 99"):
+        eng.abort(99)
+    step()
+    late = eng.add_request(prompts[0][:20], 4)
+    got[late] = []
+    while eng.has_work:
+        step()
+    assert len(got[running]) == sampled < 8
+    assert eng.stats.aborted == 3
+    for rid, p in zip(ids + [late], prompts + [prompts[0][:20]]):
+        r = eng.requests[rid]
+        assert r.generated == got[rid] and r.done and r.slot == -1 and r.aborted == (rid in aborted)
+        want, _ = dense_greedy(model, p, r.max_new_tokens)
+        assert r.generated == want[:len(r.generated)], f"request {rid}"
+        if rid not in aborted:
+            assert len(r.generated) == r.max_new_tokens
+    assert int(eng.state.alloc.bp.pool.num_free) == eng.layout.num_blocks - 1
+    assert not np.asarray(eng.state.alloc.bp.pool.ref_count).any()
+
+
 def test_bad_requests_are_refused_with_clear_errors():
     model = tiny("tiny-gemma3")
     # One request of 16 tokens holds 2 blocks of block size 8 in each of the 6 groups (1 full attention,

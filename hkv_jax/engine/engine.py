@@ -98,6 +98,7 @@ class Request:
     salt: int = 0               # cache salt: requests hit only blocks cached under the same salt
     max_chunk: int = 1 << 30    # lowered when even alone it could not get blocks for a chunk
     stop: tuple[int, ...] = ()  # tokens that end it (EOS); included in ``generated``
+    aborted: bool = False       # ``Engine.abort`` ended it early
 
     @property
     def total(self) -> int:
@@ -106,8 +107,9 @@ class Request:
 
     @property
     def done(self) -> bool:
-        """Whether it produced all its tokens or a stop token."""
-        return len(self.generated) >= self.max_new_tokens or (bool(self.generated) and self.generated[-1] in self.stop)
+        """Whether it produced all its tokens or a stop token, or was aborted."""
+        return (self.aborted or len(self.generated) >= self.max_new_tokens
+                or (bool(self.generated) and self.generated[-1] in self.stop))
 
 
 @dataclass
@@ -120,6 +122,7 @@ class Stats:
     cache_hit_tokens: int = 0
     generated: int = 0
     preemptions: int = 0
+    aborted: int = 0
     host_to_device_bytes: int = 0   # plans (when they change), releases and new prompts
     device_to_host: int = 0         # reads of a step's report (one per step; two after a lean miss)
     prepare_calls: int = 0          # steps that released or admitted requests
@@ -289,6 +292,30 @@ class Engine:
         self._requests[rid] = Request(rid, prompt, max_new_tokens, stop=tuple(int(t) for t in stop))
         self.waiting.append(rid)
         return rid
+
+    def abort(self, rid: int) -> bool:
+        """End request ``rid`` now (its client went away): it leaves the queue or the batch with the tokens
+        generated so far, and the next step frees its blocks (full ones stay in the prefix cache). Returns
+        ``False`` if it had already ended; ``KeyError`` for an id never added."""
+        requests = self.requests  # books the decode tokens still pending
+        if rid not in requests:
+            raise KeyError(f"no request {rid}")
+        r = requests[rid]
+        if rid in self.waiting:
+            self.waiting.remove(rid)
+        elif rid in self.running:
+            self.running.remove(rid)
+        else:
+            return False
+        if r.slot >= 0:  # its tokens live in the allocator (admitted, refused or preempted): free them
+            if r.slot in self._to_preempt:
+                self._to_preempt.remove(r.slot)
+            self._to_free.append(r.slot)
+            r.slot = -1
+        r.aborted = True
+        self.stats.aborted += 1
+        self._decoding = None  # the next step plans request by request and rebuilds the record
+        return True
 
     def _free_slot(self) -> int:
         used = {r.slot for r in self.requests.values() if r.slot >= 0} | set(self._to_free)
