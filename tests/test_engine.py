@@ -275,6 +275,28 @@ def test_abort_ends_requests_in_every_state_and_frees_their_blocks():
     assert not np.asarray(eng.state.alloc.bp.pool.ref_count).any()
 
 
+@SAME_SIZES["tiny-llama4"]
+def test_requests_sample_with_their_own_temperature_and_top_p():
+    """Under an engine that samples at temperature 1, a request with temperature 0 and one whose top-p
+    keeps only the likeliest token both decode the dense model's greedy tokens; one with the engine's
+    sampling does not (fixed seed)."""
+    model = tiny("tiny-llama4")
+    eng = llama4_engine(seed=1)
+    eng.temperature = 1.0
+    prompts = workload(3)[:3]
+    greedy = eng.add_request(prompts[0], 8, temperature=0.0)
+    nucleus = eng.add_request(prompts[1], 8, top_p=1e-6)
+    default = eng.add_request(prompts[2], 8)
+    out = eng.run()
+    assert eng.stats.array_steps > 0  # decode-only steps planned from the decode record's arrays
+    assert out[greedy] == dense_greedy(model, prompts[0], 8)[0]
+    assert out[nucleus] == dense_greedy(model, prompts[1], 8)[0]
+    assert out[default] != dense_greedy(model, prompts[2], 8)[0]
+    for bad in ({"temperature": -1.0}, {"temperature": float("nan")}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(ValueError, match="temperature|top_p"):
+            eng.add_request(prompts[0], 2, **bad)
+
+
 def test_bad_requests_are_refused_with_clear_errors():
     model = tiny("tiny-gemma3")
     # One request of 16 tokens holds 2 blocks of block size 8 in each of the 6 groups (1 full attention,

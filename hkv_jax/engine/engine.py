@@ -99,6 +99,8 @@ class Request:
     max_chunk: int = 1 << 30    # lowered when even alone it could not get blocks for a chunk
     stop: tuple[int, ...] = ()  # tokens that end it (EOS); included in ``generated``
     aborted: bool = False       # ``Engine.abort`` ended it early
+    temperature: float | None = None  # its sampling (None: the engine's ``temperature`` / ``top_p``)
+    top_p: float | None = None
 
     @property
     def total(self) -> int:
@@ -149,8 +151,8 @@ class _Decoding:
     # Appending them request by request costs more than the step itself at large batches, so they wait
     # until something reads the requests (``Engine.requests``) or a request finishes.
     pending: list[np.ndarray] = field(default_factory=list)
-    # The plan of a step that decodes them all, with the (temperature, top-p) it was packed for: every
-    # such step plans the same, so it is packed (and sent to the device) once.
+    # The plan of a step that decodes them all, with the engine's (temperature, top-p) it was packed for:
+    # every such step plans the same, so it is packed (and sent to the device) once.
     plan: tuple[tuple[float, float], StepPlan] | None = None
 
     @staticmethod
@@ -202,6 +204,9 @@ class Engine:
     all of them; it stops early at a finished or refused request), returns the tokens of all of them,
     and leaves the last one's logits in ``last_output``. The tokens and the states equal those of single
     steps. 1 (the default) runs one step per call.
+
+    ``temperature`` (0, the default: greedy) and ``top_p`` (1.0) are the sampling of the requests that
+    set none of their own (``add_request``), read at every step.
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int = 16, max_requests: int = 8,
@@ -276,12 +281,19 @@ class Engine:
             self._decoding.flush()
         return self._requests
 
-    def add_request(self, prompt, max_new_tokens: int, stop: tuple[int, ...] = ()) -> int:
+    def add_request(self, prompt, max_new_tokens: int, stop: tuple[int, ...] = (),
+                    temperature: float | None = None, top_p: float | None = None) -> int:
         """Queue a request; returns its id. It ends after ``max_new_tokens`` or at a token in ``stop``
-        (e.g. the model's EOS ids). Raises ``ValueError`` when it cannot fit ``max_model_len``."""
+        (e.g. the model's EOS ids). ``temperature`` (0: greedy) and ``top_p`` are its own sampling; left
+        ``None``, it samples with the engine's ``temperature`` / ``top_p`` of each step. Raises
+        ``ValueError`` when it cannot fit ``max_model_len`` or for sampling values out of range."""
         prompt = [int(t) for t in prompt]
         if not prompt or max_new_tokens < 1:
             raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        if temperature is not None and not 0 <= temperature < float("inf"):
+            raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
         if not all(0 <= t < self.vocab_size for t in prompt):
             raise ValueError(f"prompt tokens must lie in [0, {self.vocab_size})")
         if len(prompt) + max_new_tokens > self.layout.max_model_len:
@@ -289,7 +301,8 @@ class Engine:
                              f"max_model_len {self.layout.max_model_len}")
         rid = self._next_id
         self._next_id += 1
-        self._requests[rid] = Request(rid, prompt, max_new_tokens, stop=tuple(int(t) for t in stop))
+        self._requests[rid] = Request(rid, prompt, max_new_tokens, stop=tuple(int(t) for t in stop),
+                                      temperature=temperature, top_p=top_p)
         self.waiting.append(rid)
         return rid
 
@@ -350,7 +363,7 @@ class Engine:
                 slots[:n] = d.slots
                 want = np.zeros(R, np.int32)
                 want[:n] = 1
-                d.plan = sampling, StepPlan.pack(slots, want, *sampling)
+                d.plan = sampling, StepPlan.pack(slots, want, *self._sampling(d.requests))
             return d.plan[1], self._changes([]), d.rids, [], n, n
         decoding: list[tuple[int, int]] = []  # (request id, tokens)
         chunked: list[tuple[int, int]] = []
@@ -385,8 +398,17 @@ class Engine:
         want = np.zeros(R, np.int32)
         slots[:len(picks)] = [self.requests[rid].slot for rid in order]
         want[:len(picks)] = [n for _, n in picks]
-        plan = StepPlan.pack(slots, want, self.temperature, self.top_p)
+        plan = StepPlan.pack(slots, want, *self._sampling([requests[rid] for rid in order]))
         return plan, self._changes(admit), order, admit, len(decoding), len(decoding) + len(chunked)
+
+    def _sampling(self, requests: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+        """The temperature and top-p of each of ``requests`` (the engine's where it has none), ``f32[R]``
+        each; greedy past them."""
+        R = self.layout.max_requests
+        temperature, top_p = np.zeros(R, np.float32), np.ones(R, np.float32)
+        temperature[:len(requests)] = [self.temperature if r.temperature is None else r.temperature for r in requests]
+        top_p[:len(requests)] = [self.top_p if r.top_p is None else r.top_p for r in requests]
+        return temperature, top_p
 
     def _changes(self, admit: list[int]) -> Changes | None:
         """The releases of this step and the prompts of the requests it admits (``None``: nothing)."""

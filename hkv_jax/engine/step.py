@@ -79,33 +79,45 @@ class Changes:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepPlan:
-    """The host's decision for one step, packed in one array (one transfer): ``data: i32[2R + 2]``.
+    """The host's decision for one step, packed in one array (one transfer): ``data: i32[4R]``.
 
     ``slots`` (``data[:R]``): requests to run in order (-1: padding); ``want`` (``data[R:2R]``): tokens
-    each (0: padding); then temperature (0: greedy) and top-p as float32 bits. The vectorised step wants
-    decoding requests (``want == 1``, running) first, then other running ones, then waiting ones.
+    each (0: padding); then each entry's temperature (0: greedy) and top-p, as float32 bits. The
+    vectorised step wants decoding requests (``want == 1``, running) first, then other running ones, then
+    waiting ones.
     """
 
     data: jax.Array
 
     @staticmethod
-    def pack(slots: np.ndarray, want: np.ndarray, temperature: float, top_p: float) -> "StepPlan":
-        """The plan of ``slots`` and ``want`` (``[R]`` each), on the host."""
-        sampling = np.array([temperature, top_p], np.float32).view(np.int32)
-        return StepPlan(np.concatenate([slots, want, sampling]).astype(np.int32))
+    def pack(slots: np.ndarray, want: np.ndarray, temperature, top_p) -> "StepPlan":
+        """The plan of ``slots`` and ``want`` (``[R]`` each) with each entry's ``temperature`` and ``top_p``
+        (``[R]`` or one value for all), on the host."""
+        sampling = [np.broadcast_to(np.asarray(x, np.float32), np.shape(slots)).view(np.int32)
+                    for x in (temperature, top_p)]
+        return StepPlan(np.concatenate([slots, want, *sampling]).astype(np.int32))
+
+    def _part(self, i: int):
+        R = self.data.shape[0] // 4
+        return self.data[i * R:(i + 1) * R]
 
     @property
     def slots(self):
-        return self.data[:(self.data.shape[0] - 2) // 2]
+        return self._part(0)
 
     @property
     def want(self):
-        return self.data[(self.data.shape[0] - 2) // 2:-2]
+        return self._part(1)
 
     @property
-    def sampling(self) -> jax.Array:
-        """``f32[2]``: temperature, top-p (inside the step)."""
-        return jax.lax.bitcast_convert_type(self.data[-2:], jnp.float32)
+    def temperature(self) -> jax.Array:
+        """``f32[R]`` (inside the step)."""
+        return jax.lax.bitcast_convert_type(self._part(2), jnp.float32)
+
+    @property
+    def top_p(self) -> jax.Array:
+        """``f32[R]`` (inside the step)."""
+        return jax.lax.bitcast_convert_type(self._part(3), jnp.float32)
 
 
 # Rows of ``StepOutput.report``.
@@ -148,9 +160,14 @@ class StepStatic:
     lean: bool = False
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Greedy when ``temperature == 0`` (an argmax, no sort), else temperature + nucleus (top-p)
-    sampling; ``logits: [B, V]``."""
+def sample(logits: jax.Array, key: jax.Array, temperature, top_p) -> jax.Array:
+    """One token per row of ``logits: [B, V]``, each with its own ``temperature`` and ``top_p`` (``[B]`` or
+    one value for all): greedy where the temperature is 0 (an argmax; no sort when every row is greedy),
+    else temperature + nucleus (top-p) sampling."""
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape[:1])[:, None]
+    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), logits.shape[:1])[:, None]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
     def draw():
         scaled = logits / jnp.maximum(temperature, 1e-6)
         order = jnp.argsort(-scaled, axis=-1)
@@ -158,9 +175,10 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         outside = jnp.cumsum(probs, axis=-1) - probs > top_p  # keep the smallest prefix reaching top_p
         choice = jax.random.categorical(key, jnp.where(outside, -jnp.inf, sorted_logits), axis=-1)
-        return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return jnp.where(temperature[:, 0] > 0, drawn, greedy)
 
-    return jax.lax.cond(temperature > 0, draw, lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
 
 
 # --- prepare: releases and admissions -------------------------------------------------------------
@@ -287,7 +305,7 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
     key, sub = jax.random.split(state.key)
     if static.lean:  # a lean step that applied nothing leaves everything as it was, the key too
         key = jnp.where(jnp.any(ok), key, state.key)
-    new_tokens = sample(logits, sub, plan.sampling[0], plan.sampling[1])
+    new_tokens = sample(logits, sub, plan.temperature, plan.top_p)
     if static.vectorised:
         alloc = ops.append_batch(layout, alloc, slot_of, new_tokens, do_sample)
     else:
