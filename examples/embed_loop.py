@@ -22,19 +22,26 @@ def main() -> None:
     engine = Engine(model, num_blocks=96, block_size=16, max_requests=4, max_model_len=256, token_budget=64)
     print("KV cache groups:", [f"{g.spec.kind} x{len(g.layer_names)}" for g in engine.config.groups])
 
-    # 3. Your requests; here two share a prefix, so the second one hits the prefix cache.
+    # 3. Your requests; here they share a prefix, so the later ones hit the prefix cache. Each may sample
+    #    its own way (the engine's default is greedy).
     rng = np.random.default_rng(0)
     prefix = rng.integers(0, 256, 48).tolist()
-    for tail in (8, 20, 5):
-        engine.add_request(prefix + rng.integers(0, 256, tail).tolist(), max_new_tokens=8)
+    ids = [engine.add_request(prefix + rng.integers(0, 256, tail).tolist(), max_new_tokens=8)
+           for tail in (8, 20, 5)]
+    sampled = engine.add_request(prefix + [1, 2, 3], max_new_tokens=8, temperature=0.8, top_p=0.9)
 
-    # 4. Your loop: one jitted program per step; the host gets back the sampled tokens only.
+    # 4. Your loop: one jitted program per step; the host gets back the sampled tokens only. Here the
+    #    client of the second request goes away after its third token: abort it, its blocks come free.
     streams: dict[int, list[int]] = {}
     while engine.has_work:
         for rid, token in engine.step():
             streams.setdefault(rid, []).append(token)
+        if len(streams.get(ids[1], [])) >= 3:
+            engine.abort(ids[1])
     for rid, toks in sorted(streams.items()):
-        print(f"request {rid}: {toks} (prefix-cache hit: {engine.requests[rid].cache_hit} tokens)")
+        r = engine.requests[rid]
+        how = "aborted" if r.aborted else "sampled at 0.8 / top-p 0.9" if rid == sampled else "greedy"
+        print(f"request {rid} ({how}): {toks} (prefix-cache hit: {r.cache_hit} tokens)")
     s = engine.stats
     print(f"{s.steps} steps, {s.host_to_device_bytes} bytes host->device, {s.device_to_host} reads back")
 
