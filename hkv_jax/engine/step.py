@@ -164,8 +164,11 @@ def sample(logits: jax.Array, key: jax.Array, temperature, top_p) -> jax.Array:
     """One token per row of ``logits: [B, V]``, each with its own ``temperature`` and ``top_p`` (``[B]`` or
     one value for all): greedy where the temperature is 0 (an argmax; no sort when every row is greedy),
     else temperature + nucleus (top-p) sampling."""
-    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), logits.shape[:1])[:, None]
-    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), logits.shape[:1])[:, None]
+    def column(x):  # f32[B, 1]: one value per row
+        return jnp.broadcast_to(jnp.asarray(x, jnp.float32), logits.shape[:1])[:, None]
+
+    temperature, top_p = column(temperature), column(top_p)
+    hot = temperature[:, 0] > 0
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw():
@@ -176,9 +179,9 @@ def sample(logits: jax.Array, key: jax.Array, temperature, top_p) -> jax.Array:
         outside = jnp.cumsum(probs, axis=-1) - probs > top_p  # keep the smallest prefix reaching top_p
         choice = jax.random.categorical(key, jnp.where(outside, -jnp.inf, sorted_logits), axis=-1)
         drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-        return jnp.where(temperature[:, 0] > 0, drawn, greedy)
+        return jnp.where(hot, drawn, greedy)
 
-    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
+    return jax.lax.cond(jnp.any(hot), draw, lambda: greedy)
 
 
 # --- prepare: releases and admissions -------------------------------------------------------------
