@@ -28,7 +28,9 @@ def main() -> None:
     prefix = rng.integers(0, 256, 48).tolist()
     ids = [engine.add_request(prefix + rng.integers(0, 256, tail).tolist(), max_new_tokens=8)
            for tail in (8, 20, 5)]
-    sampled = engine.add_request(prefix + [1, 2, 3], max_new_tokens=8, temperature=0.8, top_p=0.9)
+    # With a seed, its tokens do not depend on the batch it lands in: rerun it anywhere, get the same.
+    sampled = engine.add_request(prefix + [1, 2, 3], max_new_tokens=8, temperature=0.8, top_p=0.9, seed=7,
+                                 logprobs=True)
 
     # 4. Your loop: one jitted program per step; the host gets back the sampled tokens only. Here the
     #    client of the second request goes away after its third token: abort it, its blocks come free.
@@ -40,8 +42,10 @@ def main() -> None:
             engine.abort(ids[1])
     for rid, toks in sorted(streams.items()):
         r = engine.requests[rid]
-        how = "aborted" if r.aborted else "sampled at 0.8 / top-p 0.9" if rid == sampled else "greedy"
+        how = "aborted" if r.aborted else "sampled at 0.8 / top-p 0.9, seed 7" if rid == sampled else "greedy"
         print(f"request {rid} ({how}): {toks} (prefix-cache hit: {r.cache_hit} tokens)")
+        if r.logprobs is not None:
+            print(f"  log-probabilities of its tokens: {[round(x, 2) for x in r.logprobs]}")
     s = engine.stats
     print(f"{s.steps} steps, {s.host_to_device_bytes} bytes host->device, {s.device_to_host} reads back")
 

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from hkv_jax.cache import read_mamba_state
-from hkv_jax.engine import Engine
+from hkv_jax.engine import Engine, sample
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 
@@ -295,6 +295,63 @@ def test_requests_sample_with_their_own_temperature_and_top_p():
     for bad in ({"temperature": -1.0}, {"temperature": float("nan")}, {"top_p": 0.0}, {"top_p": 1.5}):
         with pytest.raises(ValueError, match="temperature|top_p"):
             eng.add_request(prompts[0], 2, **bad)
+
+
+@SAME_SIZES["tiny-llama4"]
+def test_a_seeded_request_samples_the_same_tokens_in_any_batch():
+    """Sampling at temperature 1: a request with a seed draws the same tokens served alone and served
+    last in a batch that preempts it, under another engine key; the same prompt with another seed draws
+    others. A fork given the parent's seed continues the parent's tokens; an unseeded fork does not."""
+    prompts = workload(4)
+    alone = llama4_engine(seed=1)
+    alone.temperature = 1.0
+    first = alone.add_request(prompts[0], 8, seed=5)
+    while len(alone.requests[first].generated) < 3:
+        alone.step()
+    same, unseeded = alone.fork(first, seed=5), alone.fork(first)
+    alone.run()
+    want = alone.requests[first].generated
+    assert alone.requests[same].generated == want and alone.requests[unseeded].generated != want
+    eng = llama4_engine(seed=2)
+    eng.temperature = 1.0
+    for p in prompts[1:]:
+        eng.add_request(p, 8)
+    seeded, other = eng.add_request(prompts[0], 8, seed=5), eng.add_request(prompts[0], 8, seed=6)
+    out = eng.run()
+    assert eng.requests[seeded].preemptions > 0 and eng.stats.array_steps > 0
+    assert out[seeded] == want and out[other] != want
+    for bad in (-1, 2**31, 1.5, True):
+        with pytest.raises(ValueError, match="seed must be an integer"):
+            eng.add_request(prompts[0], 2, seed=bad)
+    # On flat logits: a seed's draws differ by position, and one seed at one position draws one token.
+    flat, key = jnp.zeros((8, 256)), jax.random.PRNGKey(0)
+    assert len(set(np.asarray(sample(flat, key, 1.0, 1.0, seed=5, position=jnp.arange(8))).tolist())) > 1
+    assert len(set(np.asarray(sample(flat, key, 1.0, 1.0, seed=5, position=3)).tolist())) == 1
+    assert len(set(np.asarray(sample(flat, key, 1.0, 1.0)).tolist())) > 1  # unseeded rows: a key each
+
+
+@SAME_SIZES["tiny-llama4"]
+def test_logprobs_are_the_dense_models_log_softmax_at_each_generated_token():
+    """A request that asks for log-probabilities gets, per generated token, the dense model's log-softmax
+    at that token, also when it samples at temperature 2 (they are the model's, not the tempered
+    ones), through the decode-only record's steps; requests that do not ask get none."""
+    model = tiny("tiny-llama4")
+    dense = jax.jit(model.dense)
+    eng = llama4_engine(seed=4)
+    prompts = [p[:10] for p in workload(5)[:3]]  # short: the three decode together, in one record
+    plain = eng.add_request(prompts[2], 8)
+    greedy = eng.add_request(prompts[0], 8, logprobs=True)
+    hot = eng.add_request(prompts[1], 8, temperature=2.0, seed=1, logprobs=True)
+    eng.run()
+    assert eng.stats.array_steps >= 5 and eng.requests[plain].logprobs is None
+    for rid, prompt in ((greedy, prompts[0]), (hot, prompts[1])):
+        r = eng.requests[rid]
+        toks = prompt + r.generated
+        rows = np.asarray(jax.nn.log_softmax(dense(jnp.asarray(toks + [0] * (MAX_LEN - len(toks))))))
+        want = [rows[len(prompt) - 1 + i, t] for i, t in enumerate(r.generated)]
+        assert len(r.logprobs) == len(r.generated) == 8
+        np.testing.assert_allclose(r.logprobs, want, atol=1e-4, rtol=0)
+    assert eng.requests[greedy].generated == dense_greedy(model, prompts[0], 8)[0]
 
 
 def test_bad_requests_are_refused_with_clear_errors():

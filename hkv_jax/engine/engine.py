@@ -75,6 +75,15 @@ def _sender(placement: jax.sharding.Sharding):
     return jax.jit(lambda x: x, out_shardings=placement)
 
 
+def _seed(seed) -> int | None:
+    """A request's sampling seed as an ``int`` (``None`` stays), or ``ValueError``."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**31:
+        raise ValueError(f"seed must be an integer in [0, 2**31), got {seed!r}")
+    return int(seed)
+
+
 def _nbytes(tree) -> int:
     return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
 
@@ -101,6 +110,8 @@ class Request:
     aborted: bool = False       # ``Engine.abort`` ended it early
     temperature: float | None = None  # its sampling (None: the engine's ``temperature`` / ``top_p``)
     top_p: float | None = None
+    seed: int | None = None     # its draws' seed (None: the engine's key; see ``add_request``)
+    logprobs: list[float] | None = None  # each generated token's log-probability, if asked (``add_request``)
 
     @property
     def total(self) -> int:
@@ -147,10 +158,13 @@ class _Decoding:
     rid_array: np.ndarray      # i64[n]: ``rids``
     tokens_left: np.ndarray    # i64[n]: max_new_tokens - generated (pending tokens counted)
     stops: np.ndarray          # i32[k]: every stop token of these requests (a candidate filter)
+    logprobs: bool             # some of them keep their tokens' log-probabilities
     # Tokens of booked steps not yet in the requests' ``generated`` and ``computed``: i32[k, n] blocks.
     # Appending them request by request costs more than the step itself at large batches, so they wait
     # until something reads the requests (``Engine.requests``) or a request finishes.
     pending: list[np.ndarray] = field(default_factory=list)
+    # Their log-probabilities (f32[k, n] blocks), kept only when some of these requests asked for them.
+    pending_logprobs: list[np.ndarray] = field(default_factory=list)
     # The plan of a step that decodes them all, with the engine's (temperature, top-p) it was packed for:
     # every such step plans the same, so it is packed (and sent to the device) once.
     plan: tuple[tuple[float, float], StepPlan] | None = None
@@ -161,7 +175,8 @@ class _Decoding:
         rids = [r.rid for r in requests]
         return _Decoding(rids, requests, np.array([r.slot for r in requests], np.int32), np.array(rids, np.int64),
                          np.array([r.max_new_tokens - len(r.generated) for r in requests], np.int64),
-                         np.array(sorted({t for r in requests for t in r.stop}), np.int32))
+                         np.array(sorted({t for r in requests for t in r.stop}), np.int32),
+                         any(r.logprobs is not None for r in requests))
 
     def flush(self, cols: list[int] | None = None) -> None:
         """Move the pending tokens into the requests at positions ``cols`` (default: all of them, and
@@ -169,19 +184,23 @@ class _Decoding:
         if not self.pending:
             return
         block = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]   # [k, n]
+        logprobs = np.concatenate(self.pending_logprobs) if self.pending_logprobs else None
         k = block.shape[0]
         if cols is None:
-            self.pending = []
+            self.pending, self.pending_logprobs = [], []
             cols = range(len(self.requests))
         for i, toks in zip(cols, block[:, cols].T.tolist()):
             r = self.requests[i]
             r.computed += k
             r.generated += toks
+            if r.logprobs is not None:
+                r.logprobs += logprobs[:, i].tolist()
 
     def take(self, keep: list[int]) -> "_Decoding":
         """The record of the requests at positions ``keep`` (their pending tokens with them)."""
         return _Decoding([self.rids[i] for i in keep], [self.requests[i] for i in keep], self.slots[keep],
-                         self.rid_array[keep], self.tokens_left[keep], self.stops, [p[:, keep] for p in self.pending])
+                         self.rid_array[keep], self.tokens_left[keep], self.stops, self.logprobs,
+                         [p[:, keep] for p in self.pending], [p[:, keep] for p in self.pending_logprobs])
 
 
 class Engine:
@@ -282,10 +301,15 @@ class Engine:
         return self._requests
 
     def add_request(self, prompt, max_new_tokens: int, stop: tuple[int, ...] = (),
-                    temperature: float | None = None, top_p: float | None = None) -> int:
+                    temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+                    logprobs: bool = False) -> int:
         """Queue a request; returns its id. It ends after ``max_new_tokens`` or at a token in ``stop``
         (e.g. the model's EOS ids). ``temperature`` (0: greedy) and ``top_p`` are its own sampling; left
-        ``None``, it samples with the engine's ``temperature`` / ``top_p`` of each step. Raises
+        ``None``, it samples with the engine's ``temperature`` / ``top_p`` of each step. ``seed`` (in
+        [0, 2**31)) makes its sampled tokens reproducible: each draw's key comes from the seed and the
+        token's position only, so the same request samples the same tokens in any batch, engine or
+        step order (given the same logits). ``logprobs``: keep each generated token's log-probability
+        under the model (its logits before temperature and top-p) in ``Request.logprobs``. Raises
         ``ValueError`` when it cannot fit ``max_model_len`` or for sampling values out of range."""
         prompt = [int(t) for t in prompt]
         if not prompt or max_new_tokens < 1:
@@ -294,6 +318,7 @@ class Engine:
             raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
         if top_p is not None and not 0 < top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+        seed = _seed(seed)
         if not all(0 <= t < self.vocab_size for t in prompt):
             raise ValueError(f"prompt tokens must lie in [0, {self.vocab_size})")
         if len(prompt) + max_new_tokens > self.layout.max_model_len:
@@ -302,7 +327,8 @@ class Engine:
         rid = self._next_id
         self._next_id += 1
         self._requests[rid] = Request(rid, prompt, max_new_tokens, stop=tuple(int(t) for t in stop),
-                                      temperature=temperature, top_p=top_p)
+                                      temperature=temperature, top_p=top_p, seed=seed,
+                                      logprobs=[] if logprobs else None)
         self.waiting.append(rid)
         return rid
 
@@ -401,14 +427,15 @@ class Engine:
         plan = StepPlan.pack(slots, want, *self._sampling([requests[rid] for rid in order]))
         return plan, self._changes(admit), order, admit, len(decoding), len(decoding) + len(chunked)
 
-    def _sampling(self, requests: list[Request]) -> tuple[np.ndarray, np.ndarray]:
-        """The temperature and top-p of each of ``requests`` (the engine's where it has none), ``f32[R]``
-        each; greedy past them."""
-        R = self.layout.max_requests
-        temperature, top_p = np.zeros(R, np.float32), np.ones(R, np.float32)
-        temperature[:len(requests)] = [self.temperature if r.temperature is None else r.temperature for r in requests]
-        top_p[:len(requests)] = [self.top_p if r.top_p is None else r.top_p for r in requests]
-        return temperature, top_p
+    def _sampling(self, requests: list[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The temperature and top-p (``f32[R]`` each; the engine's where a request has none) and the seed
+        (``i32[R]``, -1: none) of each of ``requests``; greedy past them."""
+        R, n = self.layout.max_requests, len(requests)
+        temperature, top_p, seed = np.zeros(R, np.float32), np.ones(R, np.float32), np.full(R, -1, np.int32)
+        temperature[:n] = [self.temperature if r.temperature is None else r.temperature for r in requests]
+        top_p[:n] = [self.top_p if r.top_p is None else r.top_p for r in requests]
+        seed[:n] = [-1 if r.seed is None else r.seed for r in requests]
+        return temperature, top_p, seed
 
     def _changes(self, admit: list[int]) -> Changes | None:
         """The releases of this step and the prompts of the requests it admits (``None``: nothing)."""
@@ -484,7 +511,7 @@ class Engine:
 
     def _apply(self, order: list[int], running: int, plan: StepPlan,
                reports: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Book the reports of consecutive steps of one plan (``i32[steps, 6, len(order)]``); returns their
+        """Book the reports of consecutive steps of one plan (``i32[steps, 7, len(order)]``); returns their
         sampled request ids and tokens in step order. The leading steps that decoded every request of
         the decode-only record, each allocated and sampled, are booked at once with arrays."""
         self._idle_next[:] = False
@@ -494,7 +521,7 @@ class Engine:
         if order is getattr(d, "rids", None):
             ok = (reports[:, :4] == _CLEAN_DECODE).all((1, 2))
             clean = len(ok) if ok.all() else int(ok.argmin())
-        rids, tokens = self._book_decodes(d, reports[:clean, 4]) if clean else _NO_TOKENS
+        rids, tokens = self._book_decodes(d, reports[:clean]) if clean else _NO_TOKENS
         self.stats.steps += len(reports)
         self.stats.array_steps += clean
         for report in reports[clean:]:  # at most one: a window stops at the first step the host must see
@@ -507,7 +534,8 @@ class Engine:
     def _book(self, order: list[int], running: int, plan: StepPlan, report: np.ndarray) -> list[tuple[int, int]]:
         """Apply a step's report to the requests it planned (``order``; the first ``running`` of them were
         running); returns the sampled (request id, token) pairs."""
-        ok, n, hit, sampled, tokens, _ = report.tolist()
+        ok, n, hit, sampled, tokens, _, _ = report.tolist()
+        logprobs = report[6].view(np.float32).tolist()
         events = []
         refused = []
         stats = self.stats
@@ -529,6 +557,8 @@ class Engine:
                 tok = tokens[i]
                 generated = r.generated
                 generated.append(tok)
+                if r.logprobs is not None:
+                    r.logprobs.append(logprobs[i])
                 events.append((rid, tok))
                 if len(generated) >= r.max_new_tokens or tok in r.stop:  # Request.done
                     self.running.remove(rid)
@@ -541,12 +571,15 @@ class Engine:
         self._decoding = _Decoding.of(live) if live and all(r.total - r.computed == 1 for r in live) else None
         return events
 
-    def _book_decodes(self, d: _Decoding, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _book_decodes(self, d: _Decoding, reports: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``_book`` for ``k`` steps that decoded every running request (``d``), each allocated and sampled
-        (``tokens: i32[k, n]``; only the last step may finish a request), with array operations: the
+        (``reports: i32[k, 7, n]``; only the last step may finish a request), with array operations: the
         tokens wait in ``d.pending``, and only finished requests get theirs now."""
+        tokens = reports[:, 4]
         k, n = tokens.shape
         d.pending.append(tokens)
+        if d.logprobs:
+            d.pending_logprobs.append(reports[:, 6].view(np.float32))
         if len(d.pending) >= _MAX_PENDING:
             d.flush()
         self.stats.tokens_computed += k * n
@@ -610,7 +643,7 @@ class Engine:
 
     def _run_decode_steps(self, plan: StepPlan, d: _Decoding) -> np.ndarray:
         """Up to ``decode_steps`` decode steps of ``plan`` (every request of ``d`` decodes) in one program:
-        the reports of the steps it ran, ``i32[steps, 6, R]``."""
+        the reports of the steps it ran, ``i32[steps, 7, R]``."""
         R, n = self.layout.max_requests, len(d.rids)
         left = np.zeros(R, np.int32)
         left[:n] = d.tokens_left
@@ -717,9 +750,11 @@ class Engine:
         self.state = jax.tree.map(jnp.copy, state)
         self._set_host_state(copy.deepcopy(host))
 
-    def fork(self, rid: int) -> int:
-        """A new running request continuing ``rid`` (same tokens so far); it shares ``rid``'s full blocks."""
-        parent = self.requests[rid]
+    def fork(self, rid: int, seed: int | None = None) -> int:
+        """A new running request continuing ``rid`` (same tokens so far); it shares ``rid``'s full blocks.
+        It samples like ``rid`` but with its own ``seed`` (``None``: the engine's key), so that forks of a
+        seeded request do not all draw the same tokens."""
+        parent, seed = self.requests[rid], _seed(seed)
         if self._align:
             raise ValueError("fork needs an attention-only model: a Mamba state cannot be shared part-way")
         if rid not in self.running:
@@ -730,7 +765,7 @@ class Engine:
         with self._on_mesh():
             self.state = replace(self.state, alloc=_FORK(self.layout, self.state.alloc, parent.slot, slot))
         child = copy.deepcopy(parent)
-        child.rid, child.slot = self._next_id, slot
+        child.rid, child.slot, child.seed = self._next_id, slot, seed
         child.computed = parent.computed // self.layout.block_size * self.layout.block_size
         self._next_id += 1
         self._requests[child.rid] = child

@@ -12,7 +12,7 @@ The programs, each with the state donated:
   allocation, block caching), builds the attention metadata, runs the model's
   paged forward (KV write + attention for every group), computes logits only
   where a token is sampled, samples (greedy without a sort; temperature +
-  top-p), and appends the sampled tokens.
+  top-p; per-request seeds), and appends the sampled tokens.
 - ``decode_steps(static, steps, params, state, plan, left, stops)`` runs up to
   ``steps`` decode steps of one plan in a ``while_loop`` (``Engine(decode_steps=K)``),
   stopping at the first step the host must look at.
@@ -29,7 +29,7 @@ compute a chunk (``schedule_batch`` over those lanes only), then waiting ones
 ``vectorised=False`` runs every stage request by request (``schedule`` per
 request, one ``free`` / ``add_request`` / ``append_token`` each): the exact
 statement the vectorised path is tested against. The host reads back one
-``i32[6, R]`` array per step (``StepOutput.report``).
+``i32[7, R]`` array per step (``StepOutput.report``).
 """
 
 from __future__ import annotations
@@ -79,26 +79,28 @@ class Changes:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepPlan:
-    """The host's decision for one step, packed in one array (one transfer): ``data: i32[4R]``.
+    """The host's decision for one step, packed in one array (one transfer): ``data: i32[5R]``.
 
     ``slots`` (``data[:R]``): requests to run in order (-1: padding); ``want`` (``data[R:2R]``): tokens
-    each (0: padding); then each entry's temperature (0: greedy) and top-p, as float32 bits. The
-    vectorised step wants decoding requests (``want == 1``, running) first, then other running ones, then
-    waiting ones.
+    each (0: padding); then each entry's temperature (0: greedy) and top-p, as float32 bits, and its
+    sampling seed (-1: none, it draws from the engine's key). The vectorised step wants decoding
+    requests (``want == 1``, running) first, then other running ones, then waiting ones.
     """
 
     data: jax.Array
 
     @staticmethod
-    def pack(slots: np.ndarray, want: np.ndarray, temperature, top_p) -> "StepPlan":
-        """The plan of ``slots`` and ``want`` (``[R]`` each) with each entry's ``temperature`` and ``top_p``
-        (``[R]`` or one value for all), on the host."""
-        sampling = [np.broadcast_to(np.asarray(x, np.float32), np.shape(slots)).view(np.int32)
-                    for x in (temperature, top_p)]
-        return StepPlan(np.concatenate([slots, want, *sampling]).astype(np.int32))
+    def pack(slots: np.ndarray, want: np.ndarray, temperature, top_p, seed=-1) -> "StepPlan":
+        """The plan of ``slots`` and ``want`` (``[R]`` each) with each entry's ``temperature``, ``top_p`` and
+        ``seed`` (``[R]`` or one value for all), on the host."""
+        def column(x, dtype):
+            return np.broadcast_to(np.asarray(x, dtype), np.shape(slots)).view(np.int32)
+
+        return StepPlan(np.concatenate([slots, want, column(temperature, np.float32), column(top_p, np.float32),
+                                        column(seed, np.int32)]).astype(np.int32))
 
     def _part(self, i: int):
-        R = self.data.shape[0] // 4
+        R = self.data.shape[0] // 5
         return self.data[i * R:(i + 1) * R]
 
     @property
@@ -119,18 +121,23 @@ class StepPlan:
         """``f32[R]`` (inside the step)."""
         return jax.lax.bitcast_convert_type(self._part(3), jnp.float32)
 
+    @property
+    def seed(self):
+        return self._part(4)
+
 
 # Rows of ``StepOutput.report``.
-REPORT_ROWS = ("ok", "num_new", "cache_hit", "sampled", "tokens", "idle_next")
+REPORT_ROWS = ("ok", "num_new", "cache_hit", "sampled", "tokens", "idle_next", "logprob")
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepOutput:
-    """Per entry of ``StepPlan.slots``: ``report: i32[6, R]`` (rows ``REPORT_ROWS``: allocated, new
-    tokens computed, cache-hit tokens, whether a token was sampled, the token or -1, and whether the
-    request's next decode step would only count its token) and ``logits: f32[R, vocab]`` at each
-    entry's last computed position (left on the device)."""
+    """Per entry of ``StepPlan.slots``: ``report: i32[7, R]`` (rows ``REPORT_ROWS``: allocated, new
+    tokens computed, cache-hit tokens, whether a token was sampled, the token or -1, whether the
+    request's next decode step would only count its token, and the sampled token's log-probability
+    under the model's logits, before temperature and top-p, as float32 bits) and ``logits: f32[R,
+    vocab]`` at each entry's last computed position (left on the device)."""
 
     report: jax.Array
     logits: jax.Array
@@ -160,14 +167,18 @@ class StepStatic:
     lean: bool = False
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature, top_p) -> jax.Array:
+def sample(logits: jax.Array, key: jax.Array, temperature, top_p, seed=-1, position=0) -> jax.Array:
     """One token per row of ``logits: [B, V]``, each with its own ``temperature`` and ``top_p`` (``[B]`` or
     one value for all): greedy where the temperature is 0 (an argmax; no sort when every row is greedy),
-    else temperature + nucleus (top-p) sampling."""
-    def column(x):  # f32[B, 1]: one value per row
-        return jnp.broadcast_to(jnp.asarray(x, jnp.float32), logits.shape[:1])[:, None]
+    else temperature + nucleus (top-p) sampling. A row with ``seed >= 0`` draws with the key of its seed
+    and ``position`` (the index of the token it samples), so its draw does not depend on the other rows
+    or on ``key`` (a ``jax.random.PRNGKey``), whose draws differ per row."""
+    B = logits.shape[0]
 
-    temperature, top_p = column(temperature), column(top_p)
+    def column(x, dtype):  # [B]: one value per row
+        return jnp.broadcast_to(jnp.asarray(x, dtype), (B,))
+
+    temperature, top_p = column(temperature, jnp.float32)[:, None], column(top_p, jnp.float32)[:, None]
     hot = temperature[:, 0] > 0
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -177,7 +188,10 @@ def sample(logits: jax.Array, key: jax.Array, temperature, top_p) -> jax.Array:
         sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         outside = jnp.cumsum(probs, axis=-1) - probs > top_p  # keep the smallest prefix reaching top_p
-        choice = jax.random.categorical(key, jnp.where(outside, -jnp.inf, sorted_logits), axis=-1)
+        seeds = column(seed, jnp.int32)
+        own = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds, column(position, jnp.int32))
+        keys = jnp.where((seeds >= 0)[:, None], own, jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(B)))
+        choice = jax.vmap(jax.random.categorical)(keys, jnp.where(outside, -jnp.inf, sorted_logits))
         drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
         return jnp.where(hot, drawn, greedy)
 
@@ -308,7 +322,7 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
     key, sub = jax.random.split(state.key)
     if static.lean:  # a lean step that applied nothing leaves everything as it was, the key too
         key = jnp.where(jnp.any(ok), key, state.key)
-    new_tokens = sample(logits, sub, plan.temperature, plan.top_p)
+    new_tokens = sample(logits, sub, plan.temperature, plan.top_p, plan.seed, seq_lens)
     if static.vectorised:
         alloc = ops.append_batch(layout, alloc, slot_of, new_tokens, do_sample)
     else:
@@ -318,8 +332,11 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
 
         alloc = jax.lax.scan(append, alloc, (slot_of, new_tokens, do_sample))[0]
     _, idle_next = ops.count_if_idle(layout, alloc, slot_of, do_sample)
+    scores = logits.astype(jnp.float32)
+    logprob = jnp.take_along_axis(scores, new_tokens[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(scores, axis=-1)
     report = jnp.stack([ok.astype(jnp.int32), n, jnp.where(ok, hit, 0), do_sample.astype(jnp.int32),
-                        jnp.where(do_sample, new_tokens, -1), idle_next.astype(jnp.int32)])
+                        jnp.where(do_sample, new_tokens, -1), idle_next.astype(jnp.int32),
+                        jax.lax.bitcast_convert_type(jnp.where(do_sample, logprob, 0.0), jnp.int32)])
     return EngineState(alloc, cache, key), StepOutput(report=report, logits=logits)
 
 
@@ -341,7 +358,7 @@ def decode_steps(static: StepStatic, steps: int, params: list[jax.Array], state:
     (``left: i32[R]``: tokens each planned lane may still generate) or a token in ``stops: i32[S]``
     (every stop token of the planned requests, -1 padded); and before a step that needs the fallback
     (that step does not run: the caller runs it with ``step``). Returns ``(state, StepOutput)``:
-    ``report: i32[steps, 6, R]``, one report per step run (-1 everywhere for the others), and the last
+    ``report: i32[steps, 7, R]``, one report per step run (-1 everywhere for the others), and the last
     step's ``logits``.
     """
     layout = static.layout
