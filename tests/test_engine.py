@@ -283,18 +283,35 @@ def test_requests_sample_with_their_own_temperature_and_top_p():
     model = tiny("tiny-llama4")
     eng = llama4_engine(seed=1)
     eng.temperature = 1.0
-    prompts = workload(3)[:3]
-    greedy = eng.add_request(prompts[0], 8, temperature=0.0)
-    nucleus = eng.add_request(prompts[1], 8, top_p=1e-6)
-    default = eng.add_request(prompts[2], 8)
+    prompts = workload(3)
+    cuts = [{"temperature": 0.0}, {"top_p": 1e-6}, {"top_k": 1}, {"min_p": 1.0}]
+    greedy = [eng.add_request(p, 8, **cut) for p, cut in zip(prompts, cuts)]
+    default = eng.add_request(prompts[0], 8)
     out = eng.run()
     assert eng.stats.array_steps > 0  # decode-only steps planned from the decode record's arrays
-    assert out[greedy] == dense_greedy(model, prompts[0], 8)[0]
-    assert out[nucleus] == dense_greedy(model, prompts[1], 8)[0]
-    assert out[default] != dense_greedy(model, prompts[2], 8)[0]
-    for bad in ({"temperature": -1.0}, {"temperature": float("nan")}, {"top_p": 0.0}, {"top_p": 1.5}):
-        with pytest.raises(ValueError, match="temperature|top_p"):
+    for rid, p in zip(greedy, prompts):
+        assert out[rid] == dense_greedy(model, p, 8)[0], eng.requests[rid]
+    assert out[default] != dense_greedy(model, prompts[0], 8)[0]
+    for bad in ({"temperature": -1.0}, {"temperature": float("nan")}, {"top_p": 0.0}, {"top_p": 1.5},
+                {"top_k": -1}, {"top_k": 2.5}, {"min_p": 1.5}, {"min_p": "0.1"}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
             eng.add_request(prompts[0], 2, **bad)
+
+
+def test_sample_cuts_min_p_and_top_k_then_top_p_of_what_is_left():
+    """vLLM's order on a 4-token distribution: top-p applies to the renormalised tokens that min-p and
+    top-k keep; 512 rows, a seed each, show which tokens can be drawn."""
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512))
+    key, seeds = jax.random.PRNGKey(0), jnp.arange(512)
+
+    def drawn(**cut):
+        return set(np.asarray(sample(logits, key, 1.0, seed=seeds, **cut)).tolist())
+
+    assert drawn() == {0, 1, 2, 3}
+    assert drawn(top_k=2) == drawn(min_p=0.5) == drawn(top_p=0.6) == drawn(top_k=3, top_p=0.6) == {0, 1}
+    assert drawn(top_k=2, top_p=0.6) == {0}  # 0.5 / 0.8 of the two kept reaches 0.6
+    assert drawn(min_p=0.2, top_k=3) == {0, 1, 2}
+    assert set(np.asarray(sample(logits, key, 0.0, top_k=3)).tolist()) == {0}  # greedy ignores the cuts
 
 
 @SAME_SIZES["tiny-llama4"]

@@ -155,7 +155,7 @@ def test_the_engine_step_lowers_with_the_accelerator_kernels(mesh, kernels):
     model = TinyLM(TinyConfig.from_hf(cfg, kv_dtype="bfloat16"), nnx.Rngs(0))
     eng = Engine(model, num_blocks=37, block_size=16, max_requests=4, max_model_len=64, token_budget=16,
                  token_buckets=(16,), impl="auto")
-    plan_ = StepPlan.pack(np.full(4, -1), np.zeros(4), 0.0, 1.0)
+    plan_ = StepPlan.pack(np.full(4, -1), np.zeros(4))
     abstract = lambda tree: jax.tree.map(lambda x: sd(jnp.shape(x), jnp.result_type(x)), tree)
     text = lower_for(mesh, functools.partial(step, eng.statics[0]), abstract(eng.params), abstract(eng.state),
                      abstract(plan_))

@@ -47,7 +47,7 @@ from flax import nnx
 from hkv_jax.allocator import ops
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.cache import init_cache, mesh_model_size
-from hkv_jax.engine.step import Changes, EngineState, StepPlan, StepStatic, decode_steps, prepare, step
+from hkv_jax.engine.step import SAMPLING, Changes, EngineState, StepPlan, StepStatic, decode_steps, prepare, step
 from hkv_jax.planner import plan as plan_cache
 from hkv_jax.sharding import param_shardings, replicated
 
@@ -75,13 +75,36 @@ def _sender(placement: jax.sharding.Sharding):
     return jax.jit(lambda x: x, out_shardings=placement)
 
 
-def _seed(seed) -> int | None:
-    """A request's sampling seed as an ``int`` (``None`` stays), or ``ValueError``."""
-    if seed is None:
-        return None
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**31:
-        raise ValueError(f"seed must be an integer in [0, 2**31), got {seed!r}")
-    return int(seed)
+def _integer(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+# A request's sampling values: what each must be (``None`` leaves it to the engine).
+_SAMPLING_RULES = {
+    "temperature": (lambda x: _number(x) and 0 <= x < float("inf"), "finite and >= 0"),
+    "top_p": (lambda x: _number(x) and 0 < x <= 1, "in (0, 1]"),
+    "top_k": (lambda x: _integer(x) and x >= 0, "an integer >= 0 (0: no limit)"),
+    "min_p": (lambda x: _number(x) and 0 <= x <= 1, "in [0, 1]"),
+    "seed": (lambda x: _integer(x) and 0 <= x < 2**31, "an integer in [0, 2**31)"),
+}
+# The values an engine sets for the requests that set none (``Engine.temperature`` ...).
+_ENGINE_SAMPLING = ("temperature", "top_p", "top_k", "min_p")
+
+
+def _checked_sampling(**values) -> dict:
+    """``values`` (``_SAMPLING_RULES`` names) as Python numbers, ``None`` kept; ``ValueError`` for one out
+    of range."""
+    out = {}
+    for name, value in values.items():
+        ok, what = _SAMPLING_RULES[name]
+        if value is not None and not ok(value):
+            raise ValueError(f"{name} must be {what}, got {value!r}")
+        out[name] = None if value is None else int(value) if _integer(value) else float(value)
+    return out
 
 
 def _nbytes(tree) -> int:
@@ -108,9 +131,11 @@ class Request:
     max_chunk: int = 1 << 30    # lowered when even alone it could not get blocks for a chunk
     stop: tuple[int, ...] = ()  # tokens that end it (EOS); included in ``generated``
     aborted: bool = False       # ``Engine.abort`` ended it early
-    temperature: float | None = None  # its sampling (None: the engine's ``temperature`` / ``top_p``)
+    temperature: float | None = None  # its sampling (None: the engine's value; see ``add_request``)
     top_p: float | None = None
-    seed: int | None = None     # its draws' seed (None: the engine's key; see ``add_request``)
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None     # its draws' seed (None: the engine's key)
     logprobs: list[float] | None = None  # each generated token's log-probability, if asked (``add_request``)
 
     @property
@@ -165,7 +190,7 @@ class _Decoding:
     pending: list[np.ndarray] = field(default_factory=list)
     # Their log-probabilities (f32[k, n] blocks), kept only when some of these requests asked for them.
     pending_logprobs: list[np.ndarray] = field(default_factory=list)
-    # The plan of a step that decodes them all, with the engine's (temperature, top-p) it was packed for:
+    # The plan of a step that decodes them all, with the engine's sampling values it was packed for:
     # every such step plans the same, so it is packed (and sent to the device) once.
     plan: tuple[tuple[float, float], StepPlan] | None = None
 
@@ -224,8 +249,8 @@ class Engine:
     and leaves the last one's logits in ``last_output``. The tokens and the states equal those of single
     steps. 1 (the default) runs one step per call.
 
-    ``temperature`` (0, the default: greedy) and ``top_p`` (1.0) are the sampling of the requests that
-    set none of their own (``add_request``), read at every step.
+    ``temperature`` (0, the default: greedy), ``top_p`` (1.0), ``top_k`` (0: none) and ``min_p`` (0.0) are
+    the sampling of the requests that set none of their own (``add_request``), read at every step.
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int = 16, max_requests: int = 8,
@@ -281,7 +306,7 @@ class Engine:
         self._to_preempt: list[int] = []
         self._next_id = 0
         self.stats = Stats()
-        self.temperature, self.top_p = 0.0, 1.0
+        self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
         # Without prefix caching every admission gets a salt of its own, so nothing ever hits.
         self.prefix_caching = prefix_caching
         self._admissions = 0
@@ -300,25 +325,24 @@ class Engine:
             self._decoding.flush()
         return self._requests
 
-    def add_request(self, prompt, max_new_tokens: int, stop: tuple[int, ...] = (),
-                    temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
-                    logprobs: bool = False) -> int:
+    def add_request(self, prompt, max_new_tokens: int, stop: tuple[int, ...] = (), *,
+                    temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                    min_p: float | None = None, seed: int | None = None, logprobs: bool = False) -> int:
         """Queue a request; returns its id. It ends after ``max_new_tokens`` or at a token in ``stop``
-        (e.g. the model's EOS ids). ``temperature`` (0: greedy) and ``top_p`` are its own sampling; left
-        ``None``, it samples with the engine's ``temperature`` / ``top_p`` of each step. ``seed`` (in
+        (e.g. the model's EOS ids).
+
+        Its own sampling (``hkv_jax.engine.sample``; ``None``: the engine's value of each step):
+        ``temperature`` (0: greedy), ``top_p``, ``top_k`` (0: no limit) and ``min_p``. ``seed`` (in
         [0, 2**31)) makes its sampled tokens reproducible: each draw's key comes from the seed and the
-        token's position only, so the same request samples the same tokens in any batch, engine or
-        step order (given the same logits). ``logprobs``: keep each generated token's log-probability
-        under the model (its logits before temperature and top-p) in ``Request.logprobs``. Raises
-        ``ValueError`` when it cannot fit ``max_model_len`` or for sampling values out of range."""
+        token's position only, so the same request samples the same tokens in any batch, engine or step
+        order (given the same logits). ``logprobs``: keep each generated token's log-probability under
+        the model (its logits before temperature and the cuts) in ``Request.logprobs``.
+
+        Raises ``ValueError`` when it cannot fit ``max_model_len`` or for sampling values out of range."""
         prompt = [int(t) for t in prompt]
         if not prompt or max_new_tokens < 1:
             raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
-        if temperature is not None and not 0 <= temperature < float("inf"):
-            raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
-        seed = _seed(seed)
+        sampling = _checked_sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
         if not all(0 <= t < self.vocab_size for t in prompt):
             raise ValueError(f"prompt tokens must lie in [0, {self.vocab_size})")
         if len(prompt) + max_new_tokens > self.layout.max_model_len:
@@ -327,8 +351,7 @@ class Engine:
         rid = self._next_id
         self._next_id += 1
         self._requests[rid] = Request(rid, prompt, max_new_tokens, stop=tuple(int(t) for t in stop),
-                                      temperature=temperature, top_p=top_p, seed=seed,
-                                      logprobs=[] if logprobs else None)
+                                      logprobs=[] if logprobs else None, **sampling)
         self.waiting.append(rid)
         return rid
 
@@ -383,13 +406,13 @@ class Engine:
         d = self._decoding
         if d is not None and len(d.rids) <= budget and (hold or not self.waiting or len(d.rids) in (R, budget)):
             n = len(d.rids)  # every running request decodes, and no waiting one can start: no pass over them
-            sampling = (self.temperature, self.top_p)
+            sampling = tuple(getattr(self, name) for name in _ENGINE_SAMPLING)
             if d.plan is None or d.plan[0] != sampling:
                 slots = np.full(R, -1, np.int32)
                 slots[:n] = d.slots
                 want = np.zeros(R, np.int32)
                 want[:n] = 1
-                d.plan = sampling, StepPlan.pack(slots, want, *self._sampling(d.requests))
+                d.plan = sampling, StepPlan.pack(slots, want, **self._sampling(d.requests))
             return d.plan[1], self._changes([]), d.rids, [], n, n
         decoding: list[tuple[int, int]] = []  # (request id, tokens)
         chunked: list[tuple[int, int]] = []
@@ -424,18 +447,19 @@ class Engine:
         want = np.zeros(R, np.int32)
         slots[:len(picks)] = [self.requests[rid].slot for rid in order]
         want[:len(picks)] = [n for _, n in picks]
-        plan = StepPlan.pack(slots, want, *self._sampling([requests[rid] for rid in order]))
+        plan = StepPlan.pack(slots, want, **self._sampling([requests[rid] for rid in order]))
         return plan, self._changes(admit), order, admit, len(decoding), len(decoding) + len(chunked)
 
-    def _sampling(self, requests: list[Request]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The temperature and top-p (``f32[R]`` each; the engine's where a request has none) and the seed
-        (``i32[R]``, -1: none) of each of ``requests``; greedy past them."""
+    def _sampling(self, requests: list[Request]) -> dict[str, np.ndarray]:
+        """Each of ``requests``' sampling values by ``SAMPLING`` name, ``[R]`` each: its own, else the
+        engine's (no seed: none); neutral (greedy) past them."""
         R, n = self.layout.max_requests, len(requests)
-        temperature, top_p, seed = np.zeros(R, np.float32), np.ones(R, np.float32), np.full(R, -1, np.int32)
-        temperature[:n] = [self.temperature if r.temperature is None else r.temperature for r in requests]
-        top_p[:n] = [self.top_p if r.top_p is None else r.top_p for r in requests]
-        seed[:n] = [-1 if r.seed is None else r.seed for r in requests]
-        return temperature, top_p, seed
+        columns = {}
+        for name, dtype, off in SAMPLING:
+            default = getattr(self, name) if name in _ENGINE_SAMPLING else off
+            columns[name] = np.full(R, off, dtype)
+            columns[name][:n] = [default if (v := getattr(r, name)) is None else v for r in requests]
+        return columns
 
     def _changes(self, admit: list[int]) -> Changes | None:
         """The releases of this step and the prompts of the requests it admits (``None``: nothing)."""
@@ -754,7 +778,7 @@ class Engine:
         """A new running request continuing ``rid`` (same tokens so far); it shares ``rid``'s full blocks.
         It samples like ``rid`` but with its own ``seed`` (``None``: the engine's key), so that forks of a
         seeded request do not all draw the same tokens."""
-        parent, seed = self.requests[rid], _seed(seed)
+        parent, seed = self.requests[rid], _checked_sampling(seed=seed)["seed"]
         if self._align:
             raise ValueError("fork needs an attention-only model: a Mamba state cannot be shared part-way")
         if rid not in self.running:

@@ -12,7 +12,7 @@ The programs, each with the state donated:
   allocation, block caching), builds the attention metadata, runs the model's
   paged forward (KV write + attention for every group), computes logits only
   where a token is sampled, samples (greedy without a sort; temperature +
-  top-p; per-request seeds), and appends the sampled tokens.
+  top-p, top-k, min-p; per-request seeds), and appends the sampled tokens.
 - ``decode_steps(static, steps, params, state, plan, left, stops)`` runs up to
   ``steps`` decode steps of one plan in a ``while_loop`` (``Engine(decode_steps=K)``),
   stopping at the first step the host must look at.
@@ -76,31 +76,38 @@ class Changes:
     salts: jax.Array
 
 
+# Each entry's sampling in ``StepPlan.data``, after ``slots`` and ``want`` (``R`` int32 words each, float32
+# values as their bits): name, dtype, and the value that leaves it out (greedy, no cut, no seed).
+SAMPLING = (("temperature", np.float32, 0.0), ("top_p", np.float32, 1.0), ("top_k", np.int32, 0),
+            ("min_p", np.float32, 0.0), ("seed", np.int32, -1))
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepPlan:
-    """The host's decision for one step, packed in one array (one transfer): ``data: i32[5R]``.
+    """The host's decision for one step, packed in one array (one transfer): ``data: i32[7R]``.
 
     ``slots`` (``data[:R]``): requests to run in order (-1: padding); ``want`` (``data[R:2R]``): tokens
-    each (0: padding); then each entry's temperature (0: greedy) and top-p, as float32 bits, and its
-    sampling seed (-1: none, it draws from the engine's key). The vectorised step wants decoding
-    requests (``want == 1``, running) first, then other running ones, then waiting ones.
+    each (0: padding); then each entry's sampling (``SAMPLING``: temperature, 0 is greedy; top-p; top-k,
+    0 is none; min-p; seed, -1 is none: it draws from the engine's key). The vectorised step wants
+    decoding requests (``want == 1``, running) first, then other running ones, then waiting ones.
     """
 
     data: jax.Array
 
     @staticmethod
-    def pack(slots: np.ndarray, want: np.ndarray, temperature, top_p, seed=-1) -> "StepPlan":
-        """The plan of ``slots`` and ``want`` (``[R]`` each) with each entry's ``temperature``, ``top_p`` and
-        ``seed`` (``[R]`` or one value for all), on the host."""
-        def column(x, dtype):
-            return np.broadcast_to(np.asarray(x, dtype), np.shape(slots)).view(np.int32)
-
-        return StepPlan(np.concatenate([slots, want, column(temperature, np.float32), column(top_p, np.float32),
-                                        column(seed, np.int32)]).astype(np.int32))
+    def pack(slots: np.ndarray, want: np.ndarray, **sampling) -> "StepPlan":
+        """The plan of ``slots`` and ``want`` (``[R]`` each) on the host; ``sampling``: values of
+        ``SAMPLING``'s names, ``[R]`` or one for all (a name left out: its neutral value)."""
+        unknown = set(sampling) - {name for name, _, _ in SAMPLING}
+        if unknown:
+            raise TypeError(f"unknown sampling values {sorted(unknown)}")
+        columns = [np.broadcast_to(np.asarray(sampling.get(name, off), dtype), np.shape(slots)).view(np.int32)
+                   for name, dtype, off in SAMPLING]
+        return StepPlan(np.concatenate([slots, want, *columns]).astype(np.int32))
 
     def _part(self, i: int):
-        R = self.data.shape[0] // 5
+        R = self.data.shape[0] // (2 + len(SAMPLING))
         return self.data[i * R:(i + 1) * R]
 
     @property
@@ -111,19 +118,10 @@ class StepPlan:
     def want(self):
         return self._part(1)
 
-    @property
-    def temperature(self) -> jax.Array:
-        """``f32[R]`` (inside the step)."""
-        return jax.lax.bitcast_convert_type(self._part(2), jnp.float32)
-
-    @property
-    def top_p(self) -> jax.Array:
-        """``f32[R]`` (inside the step)."""
-        return jax.lax.bitcast_convert_type(self._part(3), jnp.float32)
-
-    @property
-    def seed(self):
-        return self._part(4)
+    def sampling(self) -> dict[str, jax.Array]:
+        """Each entry's sampling by ``SAMPLING`` name, ``[R]`` of its dtype (inside the step)."""
+        return {name: jax.lax.bitcast_convert_type(self._part(2 + i), dtype)
+                for i, (name, dtype, _) in enumerate(SAMPLING)}
 
 
 # Rows of ``StepOutput.report``.
@@ -136,7 +134,7 @@ class StepOutput:
     """Per entry of ``StepPlan.slots``: ``report: i32[7, R]`` (rows ``REPORT_ROWS``: allocated, new
     tokens computed, cache-hit tokens, whether a token was sampled, the token or -1, whether the
     request's next decode step would only count its token, and the sampled token's log-probability
-    under the model's logits, before temperature and top-p, as float32 bits) and ``logits: f32[R,
+    under the model's logits, before temperature and the cuts, as float32 bits) and ``logits: f32[R,
     vocab]`` at each entry's last computed position (left on the device)."""
 
     report: jax.Array
@@ -167,18 +165,21 @@ class StepStatic:
     lean: bool = False
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature, top_p, seed=-1, position=0) -> jax.Array:
-    """One token per row of ``logits: [B, V]``, each with its own ``temperature`` and ``top_p`` (``[B]`` or
-    one value for all): greedy where the temperature is 0 (an argmax; no sort when every row is greedy),
-    else temperature + nucleus (top-p) sampling. A row with ``seed >= 0`` draws with the key of its seed
-    and ``position`` (the index of the token it samples), so its draw does not depend on the other rows
-    or on ``key`` (a ``jax.random.PRNGKey``), whose draws differ per row."""
-    B = logits.shape[0]
+def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=-1,
+           position=0) -> jax.Array:
+    """One token per row of ``logits: [B, V]``, each row with its own sampling (``[B]`` or one value for
+    all). Greedy where ``temperature`` is 0 (an argmax; no sort when every row is greedy). Else, as vLLM
+    does: the logits divided by the temperature; tokens below ``min_p`` times the likeliest token's
+    probability and past the ``top_k`` likeliest (0: no limit) cut; then the smallest prefix of the rest
+    whose renormalised probability reaches ``top_p`` kept. A row with ``seed >= 0`` draws with the key
+    of its seed and ``position`` (the index of the token it samples), so its draw does not depend on
+    the other rows or on ``key`` (a ``jax.random.PRNGKey``), whose draws differ per row."""
+    B, V = logits.shape
 
-    def column(x, dtype):  # [B]: one value per row
-        return jnp.broadcast_to(jnp.asarray(x, dtype), (B,))
+    def column(x, dtype):  # [B, 1]: one value per row
+        return jnp.broadcast_to(jnp.asarray(x, dtype), (B,))[:, None]
 
-    temperature, top_p = column(temperature, jnp.float32)[:, None], column(top_p, jnp.float32)[:, None]
+    temperature = column(temperature, jnp.float32)
     hot = temperature[:, 0] > 0
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -187,11 +188,15 @@ def sample(logits: jax.Array, key: jax.Array, temperature, top_p, seed=-1, posit
         order = jnp.argsort(-scaled, axis=-1)
         sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
-        outside = jnp.cumsum(probs, axis=-1) - probs > top_p  # keep the smallest prefix reaching top_p
-        seeds = column(seed, jnp.int32)
-        own = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds, column(position, jnp.int32))
+        k = column(top_k, jnp.int32)
+        # min-p and top-k each keep a prefix of the sorted tokens (never empty: the first stays).
+        keep = (probs >= column(min_p, jnp.float32) * probs[:, :1]) & ((jnp.arange(V) < k) | (k <= 0))
+        probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+        keep &= jnp.cumsum(probs, axis=-1) - probs <= column(top_p, jnp.float32)
+        seeds, positions = column(seed, jnp.int32)[:, 0], column(position, jnp.int32)[:, 0]
+        own = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds, positions)
         keys = jnp.where((seeds >= 0)[:, None], own, jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(B)))
-        choice = jax.vmap(jax.random.categorical)(keys, jnp.where(outside, -jnp.inf, sorted_logits))
+        choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_logits, -jnp.inf))
         drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
         return jnp.where(hot, drawn, greedy)
 
@@ -322,7 +327,7 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
     key, sub = jax.random.split(state.key)
     if static.lean:  # a lean step that applied nothing leaves everything as it was, the key too
         key = jnp.where(jnp.any(ok), key, state.key)
-    new_tokens = sample(logits, sub, plan.temperature, plan.top_p, plan.seed, seq_lens)
+    new_tokens = sample(logits, sub, position=seq_lens, **plan.sampling())
     if static.vectorised:
         alloc = ops.append_batch(layout, alloc, slot_of, new_tokens, do_sample)
     else:
