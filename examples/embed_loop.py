@@ -43,7 +43,9 @@ def main() -> None:
     for rid, toks in sorted(streams.items()):
         r = engine.requests[rid]
         how = "aborted" if r.aborted else "sampled at 0.8 / top-p 0.9, seed 7" if rid == sampled else "greedy"
-        print(f"request {rid} ({how}): {toks} (prefix-cache hit: {r.cache_hit} tokens)")
+        ttft = (r.first_token_time - r.arrival_time) * 1e3  # here mostly compiling the step programs
+        print(f"request {rid} ({how}): {toks} (prefix-cache hit: {r.cache_hit} tokens; first token after "
+              f"{ttft:.0f} ms)")
         if r.logprobs is not None:
             print(f"  log-probabilities of its tokens: {[round(x, 2) for x in r.logprobs]}")
     s = engine.stats

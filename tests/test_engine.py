@@ -271,6 +271,8 @@ def test_abort_ends_requests_in_every_state_and_frees_their_blocks():
         assert r.generated == want[:len(r.generated)], f"request {rid}"
         if rid not in aborted:
             assert len(r.generated) == r.max_new_tokens
+        assert r.arrival_time <= (r.first_token_time or r.arrival_time) <= r.finished_time
+        assert (r.first_token_time is None) == (not r.generated)
     assert int(eng.state.alloc.bp.pool.num_free) == eng.layout.num_blocks - 1
     assert not np.asarray(eng.state.alloc.bp.pool.ref_count).any()
 
@@ -296,6 +298,12 @@ def test_requests_sample_with_their_own_temperature_and_top_p():
                 {"top_k": -1}, {"top_k": 2.5}, {"min_p": 1.5}, {"min_p": "0.1"}):
         with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
             eng.add_request(prompts[0], 2, **bad)
+    eng.add_request(prompts[0], 2)
+    eng.min_p = 2.0
+    with pytest.raises(ValueError, match="min_p must be in"):  # the engine's values, checked by the step
+        eng.step()
+    eng.min_p = 0.0
+    assert len(eng.run()[default + 1]) == 2
 
 
 def test_sample_cuts_min_p_and_top_k_then_top_p_of_what_is_left():
@@ -311,6 +319,7 @@ def test_sample_cuts_min_p_and_top_k_then_top_p_of_what_is_left():
     assert drawn(top_k=2) == drawn(min_p=0.5) == drawn(top_p=0.6) == drawn(top_k=3, top_p=0.6) == {0, 1}
     assert drawn(top_k=2, top_p=0.6) == {0}  # 0.5 / 0.8 of the two kept reaches 0.6
     assert drawn(min_p=0.2, top_k=3) == {0, 1, 2}
+    assert drawn(min_p=2.0) == {0}  # past 1: the likeliest token still stays
     assert set(np.asarray(sample(logits, key, 0.0, top_k=3)).tolist()) == {0}  # greedy ignores the cuts
 
 
@@ -369,6 +378,11 @@ def test_logprobs_are_the_dense_models_log_softmax_at_each_generated_token():
         assert len(r.logprobs) == len(r.generated) == 8
         np.testing.assert_allclose(r.logprobs, want, atol=1e-4, rtol=0)
     assert eng.requests[greedy].generated == dense_greedy(model, prompts[0], 8)[0]
+    # Times: a prompt of budget + 1 tokens samples its first token in a 1-token step, booked then too.
+    eng.add_request(list(range(100, 133)), 4)  # no cache hit: chunks of 32 and 1
+    eng.run()
+    for r in eng.requests.values():
+        assert 0 < r.arrival_time <= r.first_token_time <= r.finished_time, r
 
 
 def test_bad_requests_are_refused_with_clear_errors():

@@ -137,6 +137,11 @@ class Request:
     min_p: float | None = None
     seed: int | None = None     # its draws' seed (None: the engine's key)
     logprobs: list[float] | None = None  # each generated token's log-probability, if asked (``add_request``)
+    # ``time.time()`` when ``add_request`` queued it, when its first token was booked, when it finished or
+    # was aborted (a token is booked when the step that sampled it returns).
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
     @property
     def total(self) -> int:
@@ -250,7 +255,8 @@ class Engine:
     steps. 1 (the default) runs one step per call.
 
     ``temperature`` (0, the default: greedy), ``top_p`` (1.0), ``top_k`` (0: none) and ``min_p`` (0.0) are
-    the sampling of the requests that set none of their own (``add_request``), read at every step.
+    the sampling of the requests that set none of their own (``add_request``), read and checked at every
+    step (a value out of range: ``ValueError`` from ``step()``, nothing changed).
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int = 16, max_requests: int = 8,
@@ -351,7 +357,7 @@ class Engine:
         rid = self._next_id
         self._next_id += 1
         self._requests[rid] = Request(rid, prompt, max_new_tokens, stop=tuple(int(t) for t in stop),
-                                      logprobs=[] if logprobs else None, **sampling)
+                                      logprobs=[] if logprobs else None, arrival_time=time.time(), **sampling)
         self.waiting.append(rid)
         return rid
 
@@ -374,7 +380,7 @@ class Engine:
                 self._to_preempt.remove(r.slot)
             self._to_free.append(r.slot)
             r.slot = -1
-        r.aborted = True
+        r.aborted, r.finished_time = True, time.time()
         self.stats.aborted += 1
         self._decoding = None  # the next step plans request by request and rebuilds the record
         return True
@@ -399,20 +405,22 @@ class Engine:
     def _plan(self) -> tuple[StepPlan, Changes | None, list[int], list[int], int, int]:
         """This step's plan (decoding requests, then running ones with a chunk, then waiting ones), its
         releases and admissions (``None`` when there are none), the planned request ids, the admitted
-        ones, and how many of the planned requests decode one token and how many are running."""
+        ones, and how many of the planned requests decode one token and how many are running.
+        ``ValueError`` (before anything changes) for an engine sampling value out of range."""
+        engine = _checked_sampling(**{name: getattr(self, name) for name in _ENGINE_SAMPLING})
         R = self.layout.max_requests
         budget = self.token_budget
         hold, self._hold_admissions = self._hold_admissions, False
         d = self._decoding
         if d is not None and len(d.rids) <= budget and (hold or not self.waiting or len(d.rids) in (R, budget)):
             n = len(d.rids)  # every running request decodes, and no waiting one can start: no pass over them
-            sampling = tuple(getattr(self, name) for name in _ENGINE_SAMPLING)
+            sampling = tuple(engine.values())
             if d.plan is None or d.plan[0] != sampling:
                 slots = np.full(R, -1, np.int32)
                 slots[:n] = d.slots
                 want = np.zeros(R, np.int32)
                 want[:n] = 1
-                d.plan = sampling, StepPlan.pack(slots, want, **self._sampling(d.requests))
+                d.plan = sampling, StepPlan.pack(slots, want, **self._sampling(d.requests, engine))
             return d.plan[1], self._changes([]), d.rids, [], n, n
         decoding: list[tuple[int, int]] = []  # (request id, tokens)
         chunked: list[tuple[int, int]] = []
@@ -447,16 +455,16 @@ class Engine:
         want = np.zeros(R, np.int32)
         slots[:len(picks)] = [self.requests[rid].slot for rid in order]
         want[:len(picks)] = [n for _, n in picks]
-        plan = StepPlan.pack(slots, want, **self._sampling([requests[rid] for rid in order]))
+        plan = StepPlan.pack(slots, want, **self._sampling([requests[rid] for rid in order], engine))
         return plan, self._changes(admit), order, admit, len(decoding), len(decoding) + len(chunked)
 
-    def _sampling(self, requests: list[Request]) -> dict[str, np.ndarray]:
+    def _sampling(self, requests: list[Request], engine: dict) -> dict[str, np.ndarray]:
         """Each of ``requests``' sampling values by ``SAMPLING`` name, ``[R]`` each: its own, else the
-        engine's (no seed: none); neutral (greedy) past them."""
+        ``engine``'s (no seed: none); neutral (greedy) past them."""
         R, n = self.layout.max_requests, len(requests)
         columns = {}
         for name, dtype, off in SAMPLING:
-            default = getattr(self, name) if name in _ENGINE_SAMPLING else off
+            default = engine.get(name, off)
             columns[name] = np.full(R, off, dtype)
             columns[name][:n] = [default if (v := getattr(r, name)) is None else v for r in requests]
         return columns
@@ -560,6 +568,7 @@ class Engine:
         running); returns the sampled (request id, token) pairs."""
         ok, n, hit, sampled, tokens, _, _ = report.tolist()
         logprobs = report[6].view(np.float32).tolist()
+        now = time.time()
         events = []
         refused = []
         stats = self.stats
@@ -580,6 +589,8 @@ class Engine:
             if sampled[i]:
                 tok = tokens[i]
                 generated = r.generated
+                if not generated:
+                    r.first_token_time = now
                 generated.append(tok)
                 if r.logprobs is not None:
                     r.logprobs.append(logprobs[i])
@@ -587,12 +598,14 @@ class Engine:
                 if len(generated) >= r.max_new_tokens or tok in r.stop:  # Request.done
                     self.running.remove(rid)
                     self._to_free.append(r.slot)
-                    r.slot = -1
+                    r.slot, r.finished_time = -1, now
         stats.generated += len(events)
         if refused:
             self._handle_refusals(refused)
         live = [requests[rid] for rid in self.running] if self.vectorised else []
-        self._decoding = _Decoding.of(live) if live and all(r.total - r.computed == 1 for r in live) else None
+        # (A request about to sample its first token stays out of the record: its first token is booked now.)
+        decoding = live and all(r.total - r.computed == 1 and r.generated for r in live)
+        self._decoding = _Decoding.of(live) if decoding else None
         return events
 
     def _book_decodes(self, d: _Decoding, reports: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -618,10 +631,11 @@ class Engine:
         if done.any():
             finished = np.flatnonzero(done).tolist()
             d.flush(finished)
+            now = time.time()
             for i in finished:
                 r = d.requests[i]
                 self._to_free.append(r.slot)
-                r.slot = -1
+                r.slot, r.finished_time = -1, now
             keep = np.flatnonzero(~done).tolist()
             self._decoding = d.take(keep) if keep else None
             self.running = [d.rids[i] for i in keep]

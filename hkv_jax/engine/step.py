@@ -189,8 +189,9 @@ def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_p=1.0, top_k=
         sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         k = column(top_k, jnp.int32)
-        # min-p and top-k each keep a prefix of the sorted tokens (never empty: the first stays).
-        keep = (probs >= column(min_p, jnp.float32) * probs[:, :1]) & ((jnp.arange(V) < k) | (k <= 0))
+        # min-p and top-k each keep a prefix of the sorted tokens; the first always stays.
+        rank = jnp.arange(V)
+        keep = ((probs >= column(min_p, jnp.float32) * probs[:, :1]) & ((rank < k) | (k <= 0))) | (rank == 0)
         probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
         keep &= jnp.cumsum(probs, axis=-1) - probs <= column(top_p, jnp.float32)
         seeds, positions = column(seed, jnp.int32)[:, 0], column(position, jnp.int32)[:, 0]
