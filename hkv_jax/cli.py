@@ -116,11 +116,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     _positive(args, "max_new_tokens", "decode_steps")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= args.min_p <= 1:
         raise CliError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0 and --min-p in [0, 1]")
+    if not 0 < args.repetition_penalty < float("inf"):
+        raise CliError("--repetition-penalty must be finite and > 0 (1: none)")
     if not args.prompt.strip():
         raise CliError("the prompt is empty")
     cfg = GenerateConfig(model=args.model, max_new_tokens=args.max_new_tokens, chat=not args.raw,
                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                         seed=args.seed,
+                         repetition_penalty=args.repetition_penalty, seed=args.seed,
                          quantize=args.quantize, decode_steps=args.decode_steps)
     use_compilation_cache()
     result = generate(cfg, args.prompt, progress=not args.json, out=sys.stderr if args.json else sys.stdout)
@@ -191,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: all)")
     g.add_argument("--min-p", type=float, default=0.0,
                    help="cut tokens below this fraction of the likeliest one's probability (default 0)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the positive logits of tokens seen so far by this, multiply the negative ones "
+                        "(default 1: none)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--json", action="store_true", help="print ids, text and timings as JSON (text streams to stderr)")
     _engine_options(g)

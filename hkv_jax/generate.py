@@ -30,6 +30,7 @@ class GenerateConfig:
     top_p: float = 1.0
     top_k: int = 0                # 0: no limit
     min_p: float = 0.0
+    repetition_penalty: float = 1.0  # 1: none
     block_size: int = 16
     token_budget: int = 256
     kv_dtype: str = "float32"
@@ -64,6 +65,7 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
     engine = engine_for(model, len(ids) + cfg.max_new_tokens, block_size=cfg.block_size,
                         token_budget=cfg.token_budget, seed=cfg.seed, decode_steps=cfg.decode_steps)
     engine.temperature, engine.top_p, engine.top_k, engine.min_p = cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p
+    engine.repetition_penalty = cfg.repetition_penalty
     rid = engine.add_request(ids, cfg.max_new_tokens, stop=codec.eos_ids)
     load_s = time.perf_counter() - t0
     bar = None

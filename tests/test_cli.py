@@ -62,6 +62,7 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
         (["generate", "hi", "--top-p", "0"], "--top-p in (0, 1]"),
         (["generate", "hi", "--top-k", "-1"], "--top-k >= 0"),
         (["generate", "hi", "--min-p", "2"], "--min-p in [0, 1]"),
+        (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be finite and > 0"),
         (["generate", "hi", "--model", "/nonexistent/model.gguf"], "no such model"),
     ],
 )

@@ -306,6 +306,43 @@ def test_requests_sample_with_their_own_temperature_and_top_p():
     assert len(eng.run()[default + 1]) == 2
 
 
+def dense_penalized(model: TinyLM, prompt: list[int], n: int, repetition: float = 1.0, presence: float = 0.0,
+                    frequency: float = 0.0) -> list[int]:
+    """Greedy tokens of the uncached model under vLLM's penalties, applied in numpy."""
+    dense = jax.jit(model.dense)
+    toks = list(prompt)
+    for _ in range(n):
+        row = np.asarray(dense(jnp.asarray(toks + [0] * (MAX_LEN - len(toks))))[len(toks) - 1]).astype(np.float64)
+        out = toks[len(prompt):]
+        for t in set(toks):
+            row[t] = row[t] / repetition if row[t] > 0 else row[t] * repetition
+        for t in set(out):
+            row[t] -= frequency * out.count(t) + presence
+        toks.append(int(row.argmax()))
+    return toks[len(prompt):]
+
+
+@SAME_SIZES["tiny-llama4"]
+def test_penalties_equal_vllms_on_the_dense_model():
+    """Greedy requests under repetition / presence / frequency penalties decode what the dense model's
+    logits, penalised in numpy, give (vLLM's rules), in one batch with a request without them."""
+    model = tiny("tiny-llama4")
+    eng = llama4_engine(seed=0)
+    prompts = [p[:10] for p in workload(6)[:3]]
+    prompts[0] += dense_greedy(model, prompts[0], 3)[0]  # the tokens it would go on with are in its prompt
+    cases = [{"repetition": 2.0}, {"repetition": 1.2, "presence": 1.0, "frequency": 0.5}, {}]
+    names = {"repetition": "repetition_penalty", "presence": "presence_penalty", "frequency": "frequency_penalty"}
+    ids = [eng.add_request(p, 8, **{names[k]: v for k, v in case.items()}) for p, case in zip(prompts, cases)]
+    out = eng.run()
+    assert eng.stats.array_steps > 0
+    for rid, p, case in zip(ids, prompts, cases):
+        assert out[rid] == dense_penalized(model, p, 8, **case), case
+    assert out[ids[0]] != dense_greedy(model, prompts[0], 8)[0]  # the penalty changed something
+    for bad in ({"repetition_penalty": 0.0}, {"presence_penalty": 3.0}, {"frequency_penalty": -2.5}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
+            eng.add_request(prompts[0], 2, **bad)
+
+
 def test_sample_cuts_min_p_and_top_k_then_top_p_of_what_is_left():
     """vLLM's order on a 4-token distribution: top-p applies to the renormalised tokens that min-p and
     top-k keep; 512 rows, a seed each, show which tokens can be drawn."""

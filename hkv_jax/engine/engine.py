@@ -90,9 +90,13 @@ _SAMPLING_RULES = {
     "top_k": (lambda x: _integer(x) and x >= 0, "an integer >= 0 (0: no limit)"),
     "min_p": (lambda x: _number(x) and 0 <= x <= 1, "in [0, 1]"),
     "seed": (lambda x: _integer(x) and 0 <= x < 2**31, "an integer in [0, 2**31)"),
+    "repetition_penalty": (lambda x: _number(x) and 0 < x < float("inf"), "finite and > 0 (1: none)"),
+    "presence_penalty": (lambda x: _number(x) and -2 <= x <= 2, "in [-2, 2]"),
+    "frequency_penalty": (lambda x: _number(x) and -2 <= x <= 2, "in [-2, 2]"),
 }
 # The values an engine sets for the requests that set none (``Engine.temperature`` ...).
-_ENGINE_SAMPLING = ("temperature", "top_p", "top_k", "min_p")
+_ENGINE_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty")
 
 
 def _checked_sampling(**values) -> dict:
@@ -135,6 +139,9 @@ class Request:
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: int | None = None     # its draws' seed (None: the engine's key)
     logprobs: list[float] | None = None  # each generated token's log-probability, if asked (``add_request``)
     # ``time.time()`` when ``add_request`` queued it, when its first token was booked, when it finished or
@@ -142,6 +149,10 @@ class Request:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
 
     @property
     def total(self) -> int:
@@ -254,8 +265,9 @@ class Engine:
     and leaves the last one's logits in ``last_output``. The tokens and the states equal those of single
     steps. 1 (the default) runs one step per call.
 
-    ``temperature`` (0, the default: greedy), ``top_p`` (1.0), ``top_k`` (0: none) and ``min_p`` (0.0) are
-    the sampling of the requests that set none of their own (``add_request``), read and checked at every
+    ``temperature`` (0, the default: greedy), ``top_p`` (1.0), ``top_k`` (0: none), ``min_p`` (0.0),
+    ``repetition_penalty`` (1.0: none), ``presence_penalty`` and ``frequency_penalty`` (0.0) are the
+    sampling of the requests that set none of their own (``add_request``), read and checked at every
     step (a value out of range: ``ValueError`` from ``step()``, nothing changed).
     """
 
@@ -313,6 +325,8 @@ class Engine:
         self._next_id = 0
         self.stats = Stats()
         self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
+        self.repetition_penalty, self.presence_penalty, self.frequency_penalty = 1.0, 0.0, 0.0
+        self._engine_sampling: tuple[tuple, dict] = ((), {})  # the values last checked, and as checked
         # Without prefix caching every admission gets a salt of its own, so nothing ever hits.
         self.prefix_caching = prefix_caching
         self._admissions = 0
@@ -333,12 +347,16 @@ class Engine:
 
     def add_request(self, prompt, max_new_tokens: int, stop: tuple[int, ...] = (), *,
                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                    min_p: float | None = None, seed: int | None = None, logprobs: bool = False) -> int:
+                    min_p: float | None = None, repetition_penalty: float | None = None,
+                    presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                    seed: int | None = None, logprobs: bool = False) -> int:
         """Queue a request; returns its id. It ends after ``max_new_tokens`` or at a token in ``stop``
         (e.g. the model's EOS ids).
 
         Its own sampling (``hkv_jax.engine.sample``; ``None``: the engine's value of each step):
-        ``temperature`` (0: greedy), ``top_p``, ``top_k`` (0: no limit) and ``min_p``. ``seed`` (in
+        ``temperature`` (0: greedy), ``top_p``, ``top_k`` (0: no limit) and ``min_p``; vLLM's penalties
+        (``hkv_jax.engine.step.penalize``, greedy requests too): ``repetition_penalty`` (1: none) on every
+        token seen, ``presence_penalty`` and ``frequency_penalty`` on generated ones. ``seed`` (in
         [0, 2**31)) makes its sampled tokens reproducible: each draw's key comes from the seed and the
         token's position only, so the same request samples the same tokens in any batch, engine or step
         order (given the same logits). ``logprobs``: keep each generated token's log-probability under
@@ -348,7 +366,9 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt or max_new_tokens < 1:
             raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
-        sampling = _checked_sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+        sampling = _checked_sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                                     repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                     frequency_penalty=frequency_penalty)
         if not all(0 <= t < self.vocab_size for t in prompt):
             raise ValueError(f"prompt tokens must lie in [0, {self.vocab_size})")
         if len(prompt) + max_new_tokens > self.layout.max_model_len:
@@ -407,14 +427,17 @@ class Engine:
         releases and admissions (``None`` when there are none), the planned request ids, the admitted
         ones, and how many of the planned requests decode one token and how many are running.
         ``ValueError`` (before anything changes) for an engine sampling value out of range."""
-        engine = _checked_sampling(**{name: getattr(self, name) for name in _ENGINE_SAMPLING})
+        values = tuple(getattr(self, name) for name in _ENGINE_SAMPLING)
+        if values != self._engine_sampling[0]:  # checked once per change: this runs every step
+            self._engine_sampling = values, _checked_sampling(**dict(zip(_ENGINE_SAMPLING, values)))
+        engine = self._engine_sampling[1]
         R = self.layout.max_requests
         budget = self.token_budget
         hold, self._hold_admissions = self._hold_admissions, False
         d = self._decoding
         if d is not None and len(d.rids) <= budget and (hold or not self.waiting or len(d.rids) in (R, budget)):
             n = len(d.rids)  # every running request decodes, and no waiting one can start: no pass over them
-            sampling = tuple(engine.values())
+            sampling = values
             if d.plan is None or d.plan[0] != sampling:
                 slots = np.full(R, -1, np.int32)
                 slots[:n] = d.slots
@@ -460,7 +483,7 @@ class Engine:
 
     def _sampling(self, requests: list[Request], engine: dict) -> dict[str, np.ndarray]:
         """Each of ``requests``' sampling values by ``SAMPLING`` name, ``[R]`` each: its own, else the
-        ``engine``'s (no seed: none); neutral (greedy) past them."""
+        ``engine``'s (no seed: none), and its prompt's length; neutral (greedy) past them."""
         R, n = self.layout.max_requests, len(requests)
         columns = {}
         for name, dtype, off in SAMPLING:

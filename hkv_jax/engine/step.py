@@ -77,20 +77,24 @@ class Changes:
 
 
 # Each entry's sampling in ``StepPlan.data``, after ``slots`` and ``want`` (``R`` int32 words each, float32
-# values as their bits): name, dtype, and the value that leaves it out (greedy, no cut, no seed).
+# values as their bits): name, dtype, and the value that leaves it out (greedy, no cut, no seed, no
+# penalty). ``prompt_len`` tells the penalties which of a request's tokens are its prompt.
 SAMPLING = (("temperature", np.float32, 0.0), ("top_p", np.float32, 1.0), ("top_k", np.int32, 0),
-            ("min_p", np.float32, 0.0), ("seed", np.int32, -1))
+            ("min_p", np.float32, 0.0), ("seed", np.int32, -1), ("repetition_penalty", np.float32, 1.0),
+            ("presence_penalty", np.float32, 0.0), ("frequency_penalty", np.float32, 0.0),
+            ("prompt_len", np.int32, 0))
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepPlan:
-    """The host's decision for one step, packed in one array (one transfer): ``data: i32[7R]``.
+    """The host's decision for one step, packed in one array (one transfer): ``data: i32[11R]``.
 
     ``slots`` (``data[:R]``): requests to run in order (-1: padding); ``want`` (``data[R:2R]``): tokens
     each (0: padding); then each entry's sampling (``SAMPLING``: temperature, 0 is greedy; top-p; top-k,
-    0 is none; min-p; seed, -1 is none: it draws from the engine's key). The vectorised step wants
-    decoding requests (``want == 1``, running) first, then other running ones, then waiting ones.
+    0 is none; min-p; seed, -1 is none: it draws from the engine's key; the three penalties; the
+    prompt's length). The vectorised step wants decoding requests (``want == 1``, running) first, then
+    other running ones, then waiting ones.
     """
 
     data: jax.Array
@@ -202,6 +206,27 @@ def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_p=1.0, top_k=
         return jnp.where(hot, drawn, greedy)
 
     return jax.lax.cond(jnp.any(hot), draw, lambda: greedy)
+
+
+def penalize(logits: jax.Array, tokens: jax.Array, length: jax.Array, prompt_len: jax.Array,
+             repetition_penalty, presence_penalty, frequency_penalty) -> jax.Array:
+    """vLLM's penalties on ``logits: [B, V]``, row ``b`` having seen ``tokens[b, :length[b]]`` (``i32[B, L]``),
+    the first ``prompt_len[b]`` of them its prompt. A token seen anywhere has its logit divided by
+    ``repetition_penalty`` where positive, else multiplied (1: none); each generated token then loses
+    ``frequency_penalty`` per occurrence and ``presence_penalty`` once. Values ``[B]`` or one for all."""
+    B, V = logits.shape
+    pos = jnp.arange(tokens.shape[1])[None, :]
+    seen = pos < length[:, None]
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], tokens.shape)
+    counts = jnp.zeros((B, V), jnp.int32).at[rows, tokens].add((seen & (pos >= prompt_len[:, None])).astype(jnp.int32))
+    anywhere = jnp.zeros((B, V), bool).at[rows, tokens].max(seen)
+
+    def column(x):
+        return jnp.broadcast_to(jnp.asarray(x, jnp.float32), (B,))[:, None]
+
+    r = column(repetition_penalty)
+    logits = jnp.where(anywhere, jnp.where(logits > 0, logits / r, logits * r), logits)
+    return logits - column(frequency_penalty) * counts - column(presence_penalty) * (counts > 0)
 
 
 # --- prepare: releases and admissions -------------------------------------------------------------
@@ -328,7 +353,19 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
     key, sub = jax.random.split(state.key)
     if static.lean:  # a lean step that applied nothing leaves everything as it was, the key too
         key = jnp.where(jnp.any(ok), key, state.key)
-    new_tokens = sample(logits, sub, position=seq_lens, **plan.sampling())
+    sampling = plan.sampling()
+    penalties = [sampling.pop(name) for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")]
+    prompt_len = sampling.pop("prompt_len")
+
+    def draw(scores):
+        return sample(scores, sub, position=seq_lens, **sampling)
+
+    # Penalties change only what the sampler sees (``logits`` and the log-probabilities stay raw); a step
+    # with none skips them (a conditional on the tokens, so that no [R, V] copy is made).
+    new_tokens = jax.lax.cond(
+        jnp.any(do_sample & ((penalties[0] != 1) | (penalties[1] != 0) | (penalties[2] != 0))),
+        lambda: draw(penalize(logits, alloc.tokens[slot_of], seq_lens, prompt_len, *penalties)),
+        lambda: draw(logits))
     if static.vectorised:
         alloc = ops.append_batch(layout, alloc, slot_of, new_tokens, do_sample)
     else:
