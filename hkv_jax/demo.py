@@ -192,6 +192,9 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     elapsed = time.perf_counter() - start
     s = engine.stats
     sample = engine.requests[last[0]]
+    done = list(engine.requests.values())
+    ttft = [1e3 * (r.first_token_time - r.arrival_time) for r in done]
+    tpot = [1e3 * (r.finished_time - r.first_token_time) / (len(r.generated) - 1) for r in done if len(r.generated) > 1]
     return {
         "model": cfg.model, "requests": len(engine.requests), "steps": s.steps, "seconds": round(elapsed, 2),
         "generated_tokens": s.generated, "computed_tokens": s.tokens_computed,
@@ -200,6 +203,9 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "steps_per_s": round(s.steps / elapsed, 2),
         "prefix_cache_hit_rate": round(s.cache_hit_tokens / max(s.prompt_tokens, 1), 3),
         "preemptions": s.preemptions, "compilations": engine.compilations(),
+        # Per request, from its own times (Request.arrival_time ...): the first ones include compiling.
+        "ttft_ms_median": round(float(np.median(ttft)), 1), "ttft_ms_p90": round(float(np.percentile(ttft, 90)), 1),
+        "tpot_ms_median": round(float(np.median(tpot)), 1) if tpot else None,
         "host_to_device_bytes_per_step": round(s.host_to_device_bytes / max(s.steps, 1)),
         "device_to_host_reads_per_step": s.device_to_host / max(s.steps, 1),
         "prepare_calls": s.prepare_calls,
@@ -221,6 +227,8 @@ def format_summary(summary: dict) -> str:
         f"{s['steps_per_s']} steps/s",
         f"prefix cache: {100 * s['prefix_cache_hit_rate']:.1f}% of prompt tokens hit; "
         f"{s['preemptions']} preemptions",
+        f"latency per request: time to first token {s['ttft_ms_median']} ms median, {s['ttft_ms_p90']} ms p90 "
+        f"(the first ones include compiling); time per output token {s['tpot_ms_median']} ms median",
         f"per step: {s['host_to_device_bytes_per_step']} bytes host->device (plan, releases, new prompts), "
         f"{s['device_to_host_reads_per_step']:.0f} read back; {s['prepare_calls']} steps released or admitted",
         "peak blocks in use per group: " + ", ".join(

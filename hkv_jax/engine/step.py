@@ -12,7 +12,8 @@ The programs, each with the state donated:
   allocation, block caching), builds the attention metadata, runs the model's
   paged forward (KV write + attention for every group), computes logits only
   where a token is sampled, samples (greedy without a sort; temperature +
-  top-p, top-k, min-p; per-request seeds), and appends the sampled tokens.
+  top-p, top-k, min-p; vLLM's penalties; per-request seeds), and appends the
+  sampled tokens.
 - ``decode_steps(static, steps, params, state, plan, left, stops)`` runs up to
   ``steps`` decode steps of one plan in a ``while_loop`` (``Engine(decode_steps=K)``),
   stopping at the first step the host must look at.
