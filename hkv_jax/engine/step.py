@@ -35,6 +35,7 @@ statement the vectorised path is tested against. The host reads back one
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import jax
@@ -170,6 +171,11 @@ class StepStatic:
     lean: bool = False
 
 
+def _per_row(x, dtype, rows: int) -> jax.Array:
+    """``x`` (one value, or one per row) as ``[rows, 1]`` of ``dtype``."""
+    return jnp.broadcast_to(jnp.asarray(x, dtype), (rows,))[:, None]
+
+
 def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=-1,
            position=0) -> jax.Array:
     """One token per row of ``logits: [B, V]``, each row with its own sampling (``[B]`` or one value for
@@ -180,10 +186,7 @@ def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_p=1.0, top_k=
     of its seed and ``position`` (the index of the token it samples), so its draw does not depend on
     the other rows or on ``key`` (a ``jax.random.PRNGKey``), whose draws differ per row."""
     B, V = logits.shape
-
-    def column(x, dtype):  # [B, 1]: one value per row
-        return jnp.broadcast_to(jnp.asarray(x, dtype), (B,))[:, None]
-
+    column = functools.partial(_per_row, rows=B)
     temperature = column(temperature, jnp.float32)
     hot = temperature[:, 0] > 0
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -221,10 +224,7 @@ def penalize(logits: jax.Array, tokens: jax.Array, length: jax.Array, prompt_len
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], tokens.shape)
     counts = jnp.zeros((B, V), jnp.int32).at[rows, tokens].add((seen & (pos >= prompt_len[:, None])).astype(jnp.int32))
     anywhere = jnp.zeros((B, V), bool).at[rows, tokens].max(seen)
-
-    def column(x):
-        return jnp.broadcast_to(jnp.asarray(x, jnp.float32), (B,))[:, None]
-
+    column = functools.partial(_per_row, dtype=jnp.float32, rows=B)
     r = column(repetition_penalty)
     logits = jnp.where(anywhere, jnp.where(logits > 0, logits / r, logits * r), logits)
     return logits - column(frequency_penalty) * counts - column(presence_penalty) * (counts > 0)
