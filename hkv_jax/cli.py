@@ -118,11 +118,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise CliError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0 and --min-p in [0, 1]")
     if not 0 < args.repetition_penalty < float("inf"):
         raise CliError("--repetition-penalty must be finite and > 0 (1: none)")
+    if not (-2 <= args.presence_penalty <= 2 and -2 <= args.frequency_penalty <= 2):
+        raise CliError("--presence-penalty and --frequency-penalty must be in [-2, 2]")
+    if "" in args.stop:
+        raise CliError("--stop must not be empty")
     if not args.prompt.strip():
         raise CliError("the prompt is empty")
     cfg = GenerateConfig(model=args.model, max_new_tokens=args.max_new_tokens, chat=not args.raw,
                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                         repetition_penalty=args.repetition_penalty, seed=args.seed,
+                         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                         frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), seed=args.seed,
                          quantize=args.quantize, decode_steps=args.decode_steps)
     use_compilation_cache()
     result = generate(cfg, args.prompt, progress=not args.json, out=sys.stderr if args.json else sys.stdout)
@@ -196,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="divide the positive logits of tokens seen so far by this, multiply the negative ones "
                         "(default 1: none)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logits of tokens generated so far (default 0)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times its count from each generated token's logit (default 0)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the answer before this text (repeat for several)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--json", action="store_true", help="print ids, text and timings as JSON (text streams to stderr)")
     _engine_options(g)

@@ -2,7 +2,8 @@
 
 Loads the model (progress bar), sizes a one-request engine for the prompt plus
 ``max_new_tokens``, shows the chunked prefill's progress, then prints the text
-as it is generated, stopping at the model's end-of-turn / EOS tokens.
+as it is generated, stopping at the model's end-of-turn / EOS tokens or at a
+stop string (left out of the text, as vLLM does).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class GenerateConfig:
     top_k: int = 0                # 0: no limit
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # 1: none
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()    # stop strings
     block_size: int = 16
     token_budget: int = 256
     kv_dtype: str = "float32"
@@ -63,10 +67,14 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
     model, codec = load_pretrained(cfg.model, kv_dtype=cfg.kv_dtype, quantize=cfg.quantize, progress=progress)
     ids = codec.encode(CHAT_TEMPLATE.format(prompt) if cfg.chat else prompt)
     engine = engine_for(model, len(ids) + cfg.max_new_tokens, block_size=cfg.block_size,
-                        token_budget=cfg.token_budget, seed=cfg.seed, decode_steps=cfg.decode_steps)
+                        token_budget=cfg.token_budget, seed=cfg.seed, decode_steps=cfg.decode_steps,
+                        detokenize=codec.decode)
     engine.temperature, engine.top_p, engine.top_k, engine.min_p = cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p
     engine.repetition_penalty = cfg.repetition_penalty
-    rid = engine.add_request(ids, cfg.max_new_tokens, stop=codec.eos_ids)
+    engine.presence_penalty, engine.frequency_penalty = cfg.presence_penalty, cfg.frequency_penalty
+    rid = engine.add_request(ids, cfg.max_new_tokens, stop=codec.eos_ids, stop_strings=cfg.stop)
+    # While it runs, the text's last characters might begin a stop string: they wait until they do not.
+    hold = max(map(len, cfg.stop), default=1) - 1
     load_s = time.perf_counter() - t0
     bar = None
     if progress:
@@ -92,14 +100,17 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
                 if bar is not None:
                     bar.close()
                     bar = None
-            text = codec.decode([t for t in req.generated if t not in codec.eos_ids])
+            text = engine.text(rid)
             if not text.endswith("\ufffd"):  # a multi-byte character still incomplete
+                text = text if req.done else text[:max(len(text) - hold, 0)]
                 out.write(text[len(shown):])
                 out.flush()
                 shown = text
-    out.write(codec.decode([t for t in req.generated if t not in codec.eos_ids])[len(shown):] + "\n")
+    text = engine.text(rid)
+    out.write(text[len(shown):] + "\n")
     done = time.perf_counter()
-    return {"prompt_tokens": len(ids), "generated": req.generated, "text": codec.decode(req.generated),
+    return {"prompt_tokens": len(ids), "generated": req.generated, "text": text,
+            "finish_reason": req.finish_reason,
             "load_seconds": round(load_s, 2), "seconds_to_first_token": round((t_first or done) - t0 - load_s, 2),
             "decode_compile_seconds": round(compile_s, 2),
             "decode_tokens_per_s": round(decode_tokens / decode_s, 2) if decode_s > 0 else None}

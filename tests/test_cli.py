@@ -63,6 +63,8 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
         (["generate", "hi", "--top-k", "-1"], "--top-k >= 0"),
         (["generate", "hi", "--min-p", "2"], "--min-p in [0, 1]"),
         (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be finite and > 0"),
+        (["generate", "hi", "--frequency-penalty", "2.5"], "--frequency-penalty must be in [-2, 2]"),
+        (["generate", "hi", "--stop", "END", "--stop", ""], "--stop must not be empty"),
         (["generate", "hi", "--model", "/nonexistent/model.gguf"], "no such model"),
     ],
 )
@@ -130,3 +132,33 @@ def test_generate_and_demo_keep_compiled_programs_where_the_environment_says(mon
         assert use_compilation_cache() == "/elsewhere" and jax.config.jax_compilation_cache_dir == before
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_generate_streams_the_text_up_to_a_stop_string(monkeypatch):
+    """``generate`` with a stop string prints the text before it and not a letter of it, though the string
+    completes over three tokens (the stream holds back what might begin one); without stop strings the
+    same run streams all its text. A tiny model and a one-letter-per-token codec stand in for Gemma."""
+    import io
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from flax import nnx
+
+    import hkv_jax.generate as gen
+    from hkv_jax.models.presets import resolve_model
+    from hkv_jax.models.tiny import TinyConfig, TinyLM
+
+    model = TinyLM(TinyConfig.from_hf(resolve_model("tiny-gptoss")[1]), nnx.Rngs(0))
+    codec = SimpleNamespace(encode=lambda text: [ord(c) % 256 for c in text], eos_ids=(),
+                            decode=lambda ids: "".join(chr(97 + t % 26) for t in ids))
+    monkeypatch.setattr(gen, "load_pretrained", lambda *args, **kwargs: (model, codec))
+    cfg = gen.GenerateConfig(max_new_tokens=12, chat=False, temperature=1.0, seed=3, token_budget=1)
+    out = io.StringIO()
+    full = gen.generate(cfg, "a prompt", out=out, progress=False)
+    text = full["text"]
+    assert out.getvalue() == text + "\n" and len(text) == 12 and full["finish_reason"] == "length"
+    at = next(i for i in range(2, len(text) - 3) if text.find(text[i:i + 3]) == i)  # first found at letter `at`
+    out = io.StringIO()
+    got = gen.generate(replace(cfg, stop=("zzzz", text[at:at + 3])), "a prompt", out=out, progress=False)
+    assert out.getvalue() == text[:at] + "\n" and got["text"] == text[:at] and got["finish_reason"] == "stop"
+    assert got["generated"] == full["generated"][:at + 3]

@@ -159,11 +159,11 @@ def run_tokens(eng: Engine) -> dict[int, list[int]]:
     return {rid: list(toks) for rid, toks in eng.run().items()}
 
 
-def llama4_engine(seed: int) -> Engine:
+def llama4_engine(seed: int, **kwargs) -> Engine:
     """tiny-llama4 at its parity test's sizes (``SAME_SIZES``: one compile for the three tests)."""
     return Engine(tiny("tiny-llama4"), num_blocks=PARITY_BLOCKS["tiny-llama4", True], block_size=8,
                   max_requests=4, max_model_len=MAX_LEN, token_budget=32, token_buckets=(32,), impl="reference",
-                  seed=seed)
+                  seed=seed, **kwargs)
 
 
 @SAME_SIZES["tiny-llama4"]
@@ -420,6 +420,51 @@ def test_logprobs_are_the_dense_models_log_softmax_at_each_generated_token():
     eng.run()
     for r in eng.requests.values():
         assert 0 < r.arrival_time <= r.first_token_time <= r.finished_time, r
+
+
+def two_letters(ids) -> str:
+    """A detokenizer whose tokens are two letters each, so a stop string can end inside a token."""
+    return "".join(chr(97 + t % 26) + chr(97 + t // 26 % 26) for t in ids)
+
+
+@SAME_SIZES["tiny-llama4"]
+def test_stop_strings_end_a_request_inside_its_text_and_finish_reasons_say_why():
+    """A request ends at the token whose text completes a stop string: it keeps the tokens it samples
+    without one up to that token, ``text`` ends before the string (inside a token), and the others in its
+    batch generate as without it. ``finish_reason``: a stop string and a stop token give "stop", the
+    token limit "length", ``abort`` "abort". (Seeded sampling: the tiny model's greedy tokens repeat.)"""
+    prompts = [p[:12] for p in workload(6)]
+    sampling = [{"temperature": 1.0, "seed": i} for i in range(3)]
+    free = llama4_engine(seed=0, detokenize=two_letters)
+    ids = [free.add_request(p, 8, **kw) for p, kw in zip(prompts, sampling)]
+    want = [free.run()[i] for i in ids]
+    text = two_letters(want[0])
+    # The first 3 letters starting at an odd letter (across a token boundary) that do not occur earlier.
+    at = next(i for i in range(3, len(text) - 3, 2) if text.find(text[i:i + 3]) == i)
+    last = (at + 2) // 2  # the token whose letters complete it
+    eng = llama4_engine(seed=1, detokenize=two_letters)
+    by_string = eng.add_request(prompts[0], 8, stop_strings=["zzzzzz", text[at:at + 3]], **sampling[0])
+    by_token = eng.add_request(prompts[1], 8, stop=(want[1][4],), **sampling[1])
+    by_length = eng.add_request(prompts[2], 8, **sampling[2])
+    aborted = eng.add_request(prompts[3], 8)
+    eng.step()
+    eng.abort(aborted)
+    eng.run()
+    r = eng.requests
+    assert r[by_string].generated == want[0][:last + 1] and r[by_string].stop_string == text[at:at + 3]
+    assert eng.text(by_string) == text[:at] and eng.text(by_length) == two_letters(want[2])
+    assert r[by_token].generated == want[1][:want[1].index(want[1][4]) + 1]
+    assert r[by_length].generated == want[2] and eng.stats.array_steps > 0  # the record, once it ended
+    assert [r[i].finish_reason for i in (by_string, by_token, by_length, aborted)] == ["stop", "stop", "length",
+                                                                                     "abort"]
+    assert all(r[i].done for i in r)
+    with pytest.raises(ValueError, match="non-empty strings"):
+        eng.add_request(prompts[0], 2, stop_strings=["ab", ""])
+    plain = llama4_engine(seed=0)
+    with pytest.raises(ValueError, match="detokenize"):
+        plain.add_request(prompts[0], 2, stop_strings="ab")
+    with pytest.raises(ValueError, match="detokenize"):
+        plain.text(plain.add_request(prompts[0], 2))
 
 
 def test_bad_requests_are_refused_with_clear_errors():

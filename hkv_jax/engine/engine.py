@@ -134,6 +134,8 @@ class Request:
     salt: int = 0               # cache salt: requests hit only blocks cached under the same salt
     max_chunk: int = 1 << 30    # lowered when even alone it could not get blocks for a chunk
     stop: tuple[int, ...] = ()  # tokens that end it (EOS); included in ``generated``
+    stop_strings: tuple[str, ...] = ()  # text that ends it (``add_request``); its tokens stay in ``generated``
+    stop_string: str | None = None      # the one of ``stop_strings`` that ended it
     aborted: bool = False       # ``Engine.abort`` ended it early
     temperature: float | None = None  # its sampling (None: the engine's value; see ``add_request``)
     top_p: float | None = None
@@ -161,9 +163,18 @@ class Request:
 
     @property
     def done(self) -> bool:
-        """Whether it produced all its tokens or a stop token, or was aborted."""
-        return (self.aborted or len(self.generated) >= self.max_new_tokens
-                or (bool(self.generated) and self.generated[-1] in self.stop))
+        """Whether it produced all its tokens, a stop token or a stop string, or was aborted."""
+        return self.finish_reason is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why it ended, in vLLM's words: ``"stop"`` (a stop token or stop string), ``"length"``
+        (``max_new_tokens`` generated), ``"abort"`` (``Engine.abort``); ``None`` while it is not done."""
+        if self.aborted:
+            return "abort"
+        if self.stop_string is not None or (self.generated and self.generated[-1] in self.stop):
+            return "stop"
+        return "length" if len(self.generated) >= self.max_new_tokens else None
 
 
 @dataclass
@@ -269,6 +280,9 @@ class Engine:
     ``repetition_penalty`` (1.0: none), ``presence_penalty`` and ``frequency_penalty`` (0.0) are the
     sampling of the requests that set none of their own (``add_request``), read and checked at every
     step (a value out of range: ``ValueError`` from ``step()``, nothing changed).
+
+    ``detokenize`` (token ids -> text, e.g. ``TextCodec.decode``): the text of generated tokens, which
+    requests with stop strings (``add_request(..., stop_strings=)``) and ``text`` need.
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int = 16, max_requests: int = 8,
@@ -276,7 +290,7 @@ class Engine:
                  impl: str = "auto", seed: int = 0, prefix_caching: bool = True,
                  window_aware_eviction: bool = False, vectorised: bool = True,
                  token_buckets: tuple[int, ...] | None = None, mesh: jax.sharding.Mesh | None = None,
-                 decode_steps: int = 1):
+                 decode_steps: int = 1, detokenize: Callable[[list[int]], str] | None = None):
         for name, value in (("token_budget", token_budget), ("max_requests", max_requests),
                             ("max_model_len", max_model_len), ("block_size", block_size),
                             ("decode_steps", decode_steps)):
@@ -300,6 +314,7 @@ class Engine:
             params = jax.device_put(params, param_shardings(params, model.cfg, mesh))
         self.params, params_def = jax.tree.flatten(params)
         self.vocab_size = model.cfg.vocab_size
+        self.detokenize = detokenize
         self.model_layers = model.cfg.layers
         self._align = any(self.layout.is_mamba(g) for g in range(self.layout.num_groups))
         self.token_budget = token_budget
@@ -346,12 +361,16 @@ class Engine:
         return self._requests
 
     def add_request(self, prompt, max_new_tokens: int, stop: tuple[int, ...] = (), *,
+                    stop_strings: str | tuple[str, ...] = (),
                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                     min_p: float | None = None, repetition_penalty: float | None = None,
                     presence_penalty: float | None = None, frequency_penalty: float | None = None,
                     seed: int | None = None, logprobs: bool = False) -> int:
-        """Queue a request; returns its id. It ends after ``max_new_tokens`` or at a token in ``stop``
-        (e.g. the model's EOS ids).
+        """Queue a request; returns its id. It ends after ``max_new_tokens``, at a token in ``stop`` (e.g.
+        the model's EOS ids), or once the text of its generated tokens (``Engine(detokenize=)``) holds one
+        of ``stop_strings``: it keeps the tokens up to that one, ``Request.stop_string`` names the string,
+        and ``text`` gives the text before it. A step whose batch holds a request with stop strings books
+        its tokens request by request (no decode-only record), as it must look at each one's text.
 
         Its own sampling (``hkv_jax.engine.sample``; ``None``: the engine's value of each step):
         ``temperature`` (0: greedy), ``top_p``, ``top_k`` (0: no limit) and ``min_p``; vLLM's penalties
@@ -366,6 +385,11 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt or max_new_tokens < 1:
             raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+        if not all(isinstance(x, str) and x for x in stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
+        if stop_strings and self.detokenize is None:
+            raise ValueError("stop_strings need the engine's detokenize (Engine(..., detokenize=codec.decode))")
         sampling = _checked_sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                                      repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                      frequency_penalty=frequency_penalty)
@@ -377,9 +401,27 @@ class Engine:
         rid = self._next_id
         self._next_id += 1
         self._requests[rid] = Request(rid, prompt, max_new_tokens, stop=tuple(int(t) for t in stop),
+                                      stop_strings=stop_strings,
                                       logprobs=[] if logprobs else None, arrival_time=time.time(), **sampling)
         self.waiting.append(rid)
         return rid
+
+    def text(self, rid: int) -> str:
+        """The text of request ``rid``'s generated tokens (``detokenize``), up to its stop string if one
+        ended it (vLLM's output text)."""
+        if self.detokenize is None:
+            raise ValueError("text needs the engine's detokenize (Engine(..., detokenize=codec.decode))")
+        r = self.requests[rid]
+        text = self.detokenize(r.generated)
+        return text if r.stop_string is None else text[:text.find(r.stop_string)]
+
+    def _reached_stop_string(self, r: Request) -> bool:
+        """Whether ``r``'s text holds one of its stop strings (the earliest becomes ``r.stop_string``)."""
+        text = self.detokenize(r.generated)
+        found = [s for s in r.stop_strings if s in text]
+        if found:
+            r.stop_string = min(found, key=text.find)
+        return bool(found)
 
     def abort(self, rid: int) -> bool:
         """End request ``rid`` now (its client went away): it leaves the queue or the batch with the tokens
@@ -618,7 +660,8 @@ class Engine:
                 if r.logprobs is not None:
                     r.logprobs.append(logprobs[i])
                 events.append((rid, tok))
-                if len(generated) >= r.max_new_tokens or tok in r.stop:  # Request.done
+                if ((r.stop_strings and self._reached_stop_string(r)) or len(generated) >= r.max_new_tokens
+                        or tok in r.stop):  # Request.done
                     self.running.remove(rid)
                     self._to_free.append(r.slot)
                     r.slot, r.finished_time = -1, now
@@ -626,8 +669,9 @@ class Engine:
         if refused:
             self._handle_refusals(refused)
         live = [requests[rid] for rid in self.running] if self.vectorised else []
-        # (A request about to sample its first token stays out of the record: its first token is booked now.)
-        decoding = live and all(r.total - r.computed == 1 and r.generated for r in live)
+        # (A request about to sample its first token stays out of the record: its first token is booked now.
+        # So does a batch with stop strings: each step's text must be looked at.)
+        decoding = live and all(r.total - r.computed == 1 and r.generated and not r.stop_strings for r in live)
         self._decoding = _Decoding.of(live) if decoding else None
         return events
 
