@@ -19,7 +19,9 @@ def main() -> None:
     model = TinyLM(TinyConfig.from_hf(hf_config), nnx.Rngs(0))
 
     # 2. The engine plans the KV pool from the model's layer specs (sliding + full groups share pages).
-    engine = Engine(model, num_blocks=96, block_size=16, max_requests=4, max_model_len=256, token_budget=64)
+    #    max_top_logprobs: requests may ask for up to 3 likeliest tokens per step, with log-probabilities.
+    engine = Engine(model, num_blocks=96, block_size=16, max_requests=4, max_model_len=256, token_budget=64,
+                    max_top_logprobs=3)
     print("KV cache groups:", [f"{g.spec.kind} x{len(g.layer_names)}" for g in engine.config.groups])
 
     # 3. Your requests; here they share a prefix, so the later ones hit the prefix cache. Each may sample
@@ -30,7 +32,7 @@ def main() -> None:
            for tail in (8, 20, 5)]
     # With a seed, its tokens do not depend on the batch it lands in: rerun it anywhere, get the same.
     sampled = engine.add_request(prefix + [1, 2, 3], max_new_tokens=8, temperature=0.8, top_p=0.9, seed=7,
-                                 logprobs=True)
+                                 logprobs=True, top_logprobs=3)
 
     # 4. Your loop: one jitted program per step; the host gets back the sampled tokens only. Here the
     #    client of the second request goes away after its third token: abort it, its blocks come free.
@@ -44,10 +46,11 @@ def main() -> None:
         r = engine.requests[rid]
         how = "aborted" if r.aborted else "sampled at 0.8 / top-p 0.9, seed 7" if rid == sampled else "greedy"
         ttft = (r.first_token_time - r.arrival_time) * 1e3  # here mostly compiling the step programs
-        print(f"request {rid} ({how}): {toks} (prefix-cache hit: {r.cache_hit} tokens; first token after "
-              f"{ttft:.0f} ms)")
+        print(f"request {rid} ({how}): {toks}, finish reason {r.finish_reason!r} (prefix-cache hit: "
+              f"{r.cache_hit} tokens; first token after {ttft:.0f} ms)")
         if r.logprobs is not None:
             print(f"  log-probabilities of its tokens: {[round(x, 2) for x in r.logprobs]}")
+            print(f"  the 3 likeliest at its first token: {[(t, round(x, 2)) for t, x in r.top_logprobs[0]]}")
     s = engine.stats
     print(f"{s.steps} steps, {s.host_to_device_bytes} bytes host->device, {s.device_to_host} reads back")
 

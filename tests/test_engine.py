@@ -28,6 +28,9 @@ DEFAULT_BUCKETS = {"tiny-gptoss"}
 # tiny-gptoss runs the portable Pallas kernels (the GPU path's code) in interpret mode; the others run the
 # dense jnp reference attention.
 IMPL = {"tiny-gptoss": "triton_interpret"}
+# tiny-llama4's engines report the 3 likeliest tokens of every row (``max_top_logprobs``): its parity run
+# carries the extra report rows, and the log-probability test shares its compile.
+MAX_TOP_LOGPROBS = {"tiny-llama4": 3}
 # With prefix caching, tiny-jamba runs under the min-waste planner: each Mamba state spans 2 pages (the
 # vllm policy's one-page states run without caching here, and in every replay trace).
 POLICY = {("tiny-jamba", True): "min-waste"}
@@ -70,7 +73,7 @@ def test_engine_generates_the_dense_models_tokens(name, prefix_caching):
     eng = Engine(model, num_blocks=PARITY_BLOCKS[name, prefix_caching], block_size=8, max_requests=4,
                  max_model_len=MAX_LEN, token_budget=32, token_buckets=None if name in DEFAULT_BUCKETS else (32,),
                  impl=IMPL.get(name, "reference"), prefix_caching=prefix_caching,
-                 policy=POLICY.get((name, prefix_caching), "vllm"))
+                 policy=POLICY.get((name, prefix_caching), "vllm"), max_top_logprobs=MAX_TOP_LOGPROBS.get(name, 0))
     prompts = workload()
     new = NEW_TOKENS.get(name, 6)
     ids = [eng.add_request(p, new) for p in prompts]
@@ -160,7 +163,8 @@ def run_tokens(eng: Engine) -> dict[int, list[int]]:
 
 
 def llama4_engine(seed: int, **kwargs) -> Engine:
-    """tiny-llama4 at its parity test's sizes (``SAME_SIZES``: one compile for the three tests)."""
+    """tiny-llama4 at its parity test's sizes (``SAME_SIZES``: one compile for the tests of its group)."""
+    kwargs = {"max_top_logprobs": MAX_TOP_LOGPROBS["tiny-llama4"], **kwargs}
     return Engine(tiny("tiny-llama4"), num_blocks=PARITY_BLOCKS["tiny-llama4", True], block_size=8,
                   max_requests=4, max_model_len=MAX_LEN, token_budget=32, token_buckets=(32,), impl="reference",
                   seed=seed, **kwargs)
@@ -397,23 +401,33 @@ def test_a_seeded_request_samples_the_same_tokens_in_any_batch():
 def test_logprobs_are_the_dense_models_log_softmax_at_each_generated_token():
     """A request that asks for log-probabilities gets, per generated token, the dense model's log-softmax
     at that token, also when it samples at temperature 2 (they are the model's, not the tempered
-    ones), through the decode-only record's steps; requests that do not ask get none."""
+    ones), and the likeliest tokens with theirs when it asks for them (3 and 2 of the engine's 3),
+    through the decode-only record's multi-step programs; requests that do not ask get none."""
     model = tiny("tiny-llama4")
     dense = jax.jit(model.dense)
     eng = llama4_engine(seed=4)
+    assert eng.max_top_logprobs == 3
     prompts = [p[:10] for p in workload(5)[:3]]  # short: the three decode together, in one record
     plain = eng.add_request(prompts[2], 8)
-    greedy = eng.add_request(prompts[0], 8, logprobs=True)
-    hot = eng.add_request(prompts[1], 8, temperature=2.0, seed=1, logprobs=True)
+    greedy = eng.add_request(prompts[0], 8, logprobs=True, top_logprobs=3)
+    hot = eng.add_request(prompts[1], 8, temperature=2.0, seed=1, top_logprobs=2)
     eng.run()
-    assert eng.stats.array_steps >= 5 and eng.requests[plain].logprobs is None
-    for rid, prompt in ((greedy, prompts[0]), (hot, prompts[1])):
+    assert eng.stats.array_steps >= 5
+    assert eng.requests[plain].logprobs is None and eng.requests[plain].top_logprobs is None
+    for rid, prompt, n in ((greedy, prompts[0], 3), (hot, prompts[1], 2)):
         r = eng.requests[rid]
         toks = prompt + r.generated
         rows = np.asarray(jax.nn.log_softmax(dense(jnp.asarray(toks + [0] * (MAX_LEN - len(toks))))))
-        want = [rows[len(prompt) - 1 + i, t] for i, t in enumerate(r.generated)]
-        assert len(r.logprobs) == len(r.generated) == 8
-        np.testing.assert_allclose(r.logprobs, want, atol=1e-4, rtol=0)
+        rows = rows[len(prompt) - 1:len(toks) - 1]
+        assert len(r.logprobs) == len(r.generated) == len(r.top_logprobs) == 8
+        np.testing.assert_allclose(r.logprobs, rows[np.arange(8), r.generated], atol=1e-4, rtol=0)
+        likeliest = np.argsort(-rows, axis=-1)[:, :n]
+        assert [[t for t, _ in top] for top in r.top_logprobs] == likeliest.tolist()
+        np.testing.assert_allclose([[v for _, v in top] for top in r.top_logprobs],
+                                   np.take_along_axis(rows, likeliest, -1), atol=1e-4, rtol=0)
+    for bad, engine in ((4, eng), (1, llama4_engine(seed=0, max_top_logprobs=0)), (-1, eng)):
+        with pytest.raises(ValueError, match="top_logprobs must be an integer in"):
+            engine.add_request(prompts[0], 2, top_logprobs=bad)
     assert eng.requests[greedy].generated == dense_greedy(model, prompts[0], 8)[0]
     # Times: a prompt of budget + 1 tokens samples its first token in a 1-token step, booked then too.
     eng.add_request(list(range(100, 133)), 4)  # no cache hit: chunks of 32 and 1

@@ -111,6 +111,16 @@ def _checked_sampling(**values) -> dict:
     return out
 
 
+def _book_logprobs(r: Request, rows: np.ndarray) -> None:
+    """Append ``k`` generated tokens' log-probabilities to ``r``: ``rows: i32[k, 1 + 2N]``, the report's rows
+    from ``logprob`` on (the sampled token's, then ``N`` likeliest tokens and theirs, as float32 bits)."""
+    r.logprobs += rows[:, 0].view(np.float32).tolist()
+    if r.num_top_logprobs:
+        n, N = r.num_top_logprobs, (rows.shape[1] - 1) // 2
+        ids, values = rows[:, 1:1 + n].tolist(), rows[:, 1 + N:1 + N + n].view(np.float32).tolist()
+        r.top_logprobs += [list(zip(i, v)) for i, v in zip(ids, values)]
+
+
 def _nbytes(tree) -> int:
     return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
 
@@ -146,6 +156,8 @@ class Request:
     frequency_penalty: float | None = None
     seed: int | None = None     # its draws' seed (None: the engine's key)
     logprobs: list[float] | None = None  # each generated token's log-probability, if asked (``add_request``)
+    num_top_logprobs: int = 0   # likeliest tokens listed per generated token (``add_request``)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token: (token, log-probability)
     # ``time.time()`` when ``add_request`` queued it, when its first token was booked, when it finished or
     # was aborted (a token is booked when the step that sampled it returns).
     arrival_time: float = 0.0
@@ -215,7 +227,8 @@ class _Decoding:
     # Appending them request by request costs more than the step itself at large batches, so they wait
     # until something reads the requests (``Engine.requests``) or a request finishes.
     pending: list[np.ndarray] = field(default_factory=list)
-    # Their log-probabilities (f32[k, n] blocks), kept only when some of these requests asked for them.
+    # Their reports' rows from ``logprob`` on (i32[k, 1 + 2N, n] blocks: ``_book_logprobs``), kept only when
+    # some of these requests asked for log-probabilities.
     pending_logprobs: list[np.ndarray] = field(default_factory=list)
     # The plan of a step that decodes them all, with the engine's sampling values it was packed for:
     # every such step plans the same, so it is packed (and sent to the device) once.
@@ -246,13 +259,13 @@ class _Decoding:
             r.computed += k
             r.generated += toks
             if r.logprobs is not None:
-                r.logprobs += logprobs[:, i].tolist()
+                _book_logprobs(r, logprobs[:, :, i])
 
     def take(self, keep: list[int]) -> "_Decoding":
         """The record of the requests at positions ``keep`` (their pending tokens with them)."""
         return _Decoding([self.rids[i] for i in keep], [self.requests[i] for i in keep], self.slots[keep],
                          self.rid_array[keep], self.tokens_left[keep], self.stops, self.logprobs,
-                         [p[:, keep] for p in self.pending], [p[:, keep] for p in self.pending_logprobs])
+                         [p[:, keep] for p in self.pending], [p[..., keep] for p in self.pending_logprobs])
 
 
 class Engine:
@@ -283,6 +296,10 @@ class Engine:
 
     ``detokenize`` (token ids -> text, e.g. ``TextCodec.decode``): the text of generated tokens, which
     requests with stop strings (``add_request(..., stop_strings=)``) and ``text`` need.
+
+    ``max_top_logprobs``: the most likeliest tokens a request may ask to see, with their log-probabilities,
+    per generated token (``add_request(..., top_logprobs=)``). 0 (the default) leaves that out of the
+    step; ``N > 0`` makes every step find the ``N`` likeliest tokens of every row and read them back.
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int = 16, max_requests: int = 8,
@@ -290,12 +307,15 @@ class Engine:
                  impl: str = "auto", seed: int = 0, prefix_caching: bool = True,
                  window_aware_eviction: bool = False, vectorised: bool = True,
                  token_buckets: tuple[int, ...] | None = None, mesh: jax.sharding.Mesh | None = None,
-                 decode_steps: int = 1, detokenize: Callable[[list[int]], str] | None = None):
+                 decode_steps: int = 1, detokenize: Callable[[list[int]], str] | None = None,
+                 max_top_logprobs: int = 0):
         for name, value in (("token_budget", token_budget), ("max_requests", max_requests),
                             ("max_model_len", max_model_len), ("block_size", block_size),
                             ("decode_steps", decode_steps)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not _integer(max_top_logprobs) or not 0 <= max_top_logprobs <= model.cfg.vocab_size:
+            raise ValueError(f"max_top_logprobs must be an integer in [0, vocab_size], got {max_top_logprobs!r}")
         buckets = sorted(set(token_buckets or (min(max_requests, token_budget), token_budget)))
         if buckets[0] < 1 or buckets[-1] != token_budget:
             raise ValueError(f"token_buckets must be positive and end at token_budget {token_budget}, got {buckets}")
@@ -318,7 +338,9 @@ class Engine:
         self.model_layers = model.cfg.layers
         self._align = any(self.layout.is_mamba(g) for g in range(self.layout.num_groups))
         self.token_budget = token_budget
-        self.statics = [StepStatic(graphdef, params_def, self.layout, b, impl, vectorised) for b in buckets]
+        self.max_top_logprobs = max_top_logprobs
+        self.statics = [StepStatic(graphdef, params_def, self.layout, b, impl, vectorised,
+                                   top_logprobs=max_top_logprobs) for b in buckets]
         self._lean = [replace(s, lean=True) for s in self.statics]
         self.vectorised = vectorised
         self.decode_steps = decode_steps if vectorised else 1  # the per-request engine: one step a call
@@ -365,7 +387,7 @@ class Engine:
                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                     min_p: float | None = None, repetition_penalty: float | None = None,
                     presence_penalty: float | None = None, frequency_penalty: float | None = None,
-                    seed: int | None = None, logprobs: bool = False) -> int:
+                    seed: int | None = None, logprobs: bool = False, top_logprobs: int = 0) -> int:
         """Queue a request; returns its id. It ends after ``max_new_tokens``, at a token in ``stop`` (e.g.
         the model's EOS ids), or once the text of its generated tokens (``Engine(detokenize=)``) holds one
         of ``stop_strings``: it keeps the tokens up to that one, ``Request.stop_string`` names the string,
@@ -379,7 +401,10 @@ class Engine:
         [0, 2**31)) makes its sampled tokens reproducible: each draw's key comes from the seed and the
         token's position only, so the same request samples the same tokens in any batch, engine or step
         order (given the same logits). ``logprobs``: keep each generated token's log-probability under
-        the model (its logits before temperature and the cuts) in ``Request.logprobs``.
+        the model (its logits before temperature and the cuts) in ``Request.logprobs``. ``top_logprobs``
+        (at most the engine's ``max_top_logprobs``): also list, per generated token, the
+        ``top_logprobs`` likeliest tokens with theirs in ``Request.top_logprobs`` (likeliest first;
+        implies ``logprobs``).
 
         Raises ``ValueError`` when it cannot fit ``max_model_len`` or for sampling values out of range."""
         prompt = [int(t) for t in prompt]
@@ -390,6 +415,9 @@ class Engine:
             raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
         if stop_strings and self.detokenize is None:
             raise ValueError("stop_strings need the engine's detokenize (Engine(..., detokenize=codec.decode))")
+        if not _integer(top_logprobs) or not 0 <= top_logprobs <= self.max_top_logprobs:
+            raise ValueError(f"top_logprobs must be an integer in [0, {self.max_top_logprobs}] (the engine's "
+                             f"max_top_logprobs), got {top_logprobs!r}")
         sampling = _checked_sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                                      repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                      frequency_penalty=frequency_penalty)
@@ -401,8 +429,9 @@ class Engine:
         rid = self._next_id
         self._next_id += 1
         self._requests[rid] = Request(rid, prompt, max_new_tokens, stop=tuple(int(t) for t in stop),
-                                      stop_strings=stop_strings,
-                                      logprobs=[] if logprobs else None, arrival_time=time.time(), **sampling)
+                                      stop_strings=stop_strings, logprobs=[] if logprobs or top_logprobs else None,
+                                      num_top_logprobs=top_logprobs, top_logprobs=[] if top_logprobs else None,
+                                      arrival_time=time.time(), **sampling)
         self.waiting.append(rid)
         return rid
 
@@ -608,7 +637,7 @@ class Engine:
 
     def _apply(self, order: list[int], running: int, plan: StepPlan,
                reports: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Book the reports of consecutive steps of one plan (``i32[steps, 7, len(order)]``); returns their
+        """Book the reports of consecutive steps of one plan (``i32[steps, rows, len(order)]``); returns their
         sampled request ids and tokens in step order. The leading steps that decoded every request of
         the decode-only record, each allocated and sampled, are booked at once with arrays."""
         self._idle_next[:] = False
@@ -631,8 +660,7 @@ class Engine:
     def _book(self, order: list[int], running: int, plan: StepPlan, report: np.ndarray) -> list[tuple[int, int]]:
         """Apply a step's report to the requests it planned (``order``; the first ``running`` of them were
         running); returns the sampled (request id, token) pairs."""
-        ok, n, hit, sampled, tokens, _, _ = report.tolist()
-        logprobs = report[6].view(np.float32).tolist()
+        ok, n, hit, sampled, tokens = report[:5].tolist()
         now = time.time()
         events = []
         refused = []
@@ -658,7 +686,7 @@ class Engine:
                     r.first_token_time = now
                 generated.append(tok)
                 if r.logprobs is not None:
-                    r.logprobs.append(logprobs[i])
+                    _book_logprobs(r, report[None, 6:, i])
                 events.append((rid, tok))
                 if ((r.stop_strings and self._reached_stop_string(r)) or len(generated) >= r.max_new_tokens
                         or tok in r.stop):  # Request.done
@@ -677,13 +705,13 @@ class Engine:
 
     def _book_decodes(self, d: _Decoding, reports: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``_book`` for ``k`` steps that decoded every running request (``d``), each allocated and sampled
-        (``reports: i32[k, 7, n]``; only the last step may finish a request), with array operations: the
+        (``reports: i32[k, rows, n]``; only the last step may finish a request), with array operations: the
         tokens wait in ``d.pending``, and only finished requests get theirs now."""
         tokens = reports[:, 4]
         k, n = tokens.shape
         d.pending.append(tokens)
         if d.logprobs:
-            d.pending_logprobs.append(reports[:, 6].view(np.float32))
+            d.pending_logprobs.append(reports[:, 6:])
         if len(d.pending) >= _MAX_PENDING:
             d.flush()
         self.stats.tokens_computed += k * n
@@ -748,7 +776,7 @@ class Engine:
 
     def _run_decode_steps(self, plan: StepPlan, d: _Decoding) -> np.ndarray:
         """Up to ``decode_steps`` decode steps of ``plan`` (every request of ``d`` decodes) in one program:
-        the reports of the steps it ran, ``i32[steps, 7, R]``."""
+        the reports of the steps it ran, ``i32[steps, rows, R]``."""
         R, n = self.layout.max_requests, len(d.rids)
         left = np.zeros(R, np.int32)
         left[:n] = d.tokens_left

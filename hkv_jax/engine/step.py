@@ -30,7 +30,7 @@ compute a chunk (``schedule_batch`` over those lanes only), then waiting ones
 ``vectorised=False`` runs every stage request by request (``schedule`` per
 request, one ``free`` / ``add_request`` / ``append_token`` each): the exact
 statement the vectorised path is tested against. The host reads back one
-``i32[7, R]`` array per step (``StepOutput.report``).
+``i32[7, R]`` array per step (``StepOutput.report``; more rows with top log-probabilities).
 """
 
 from __future__ import annotations
@@ -130,18 +130,20 @@ class StepPlan:
                 for i, (name, dtype, _) in enumerate(SAMPLING)}
 
 
-# Rows of ``StepOutput.report``.
+# Rows of ``StepOutput.report``; a step with ``StepStatic.top_logprobs = N`` adds ``N`` rows of token ids
+# and ``N`` of their log-probabilities (float32 bits).
 REPORT_ROWS = ("ok", "num_new", "cache_hit", "sampled", "tokens", "idle_next", "logprob")
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepOutput:
-    """Per entry of ``StepPlan.slots``: ``report: i32[7, R]`` (rows ``REPORT_ROWS``: allocated, new
+    """Per entry of ``StepPlan.slots``: ``report: i32[7 + 2N, R]`` (rows ``REPORT_ROWS``: allocated, new
     tokens computed, cache-hit tokens, whether a token was sampled, the token or -1, whether the
     request's next decode step would only count its token, and the sampled token's log-probability
-    under the model's logits, before temperature and the cuts, as float32 bits) and ``logits: f32[R,
-    vocab]`` at each entry's last computed position (left on the device)."""
+    under the model's logits, before temperature and the cuts, as float32 bits; then, for ``N =
+    StepStatic.top_logprobs``, the ``N`` likeliest tokens, likeliest first, and their log-probabilities)
+    and ``logits: f32[R, vocab]`` at each entry's last computed position (left on the device)."""
 
     report: jax.Array
     logits: jax.Array
@@ -156,9 +158,10 @@ class StepStatic:
     """The static part of a step (jit cache key): model graph and the tree structure of its parameters
     (the step takes them as a flat list, which jit flattens in C++; an ``nnx.State`` is flattened in
     Python on every call), allocator layout, token budget (the bucket), kernel, whether the allocator
-    runs vectorised, and ``lean``: the program for decode steps where no block moves (the allocator
+    runs vectorised, ``lean``: the program for decode steps where no block moves (the allocator
     only counts tokens, ``ops.count_if_idle``; if a lane would move a block it applies nothing and
-    reports no lane allocated)."""
+    reports no lane allocated), and ``top_logprobs``: how many of the likeliest tokens each report
+    lists with their log-probabilities (0: none)."""
 
     __hash__ = hash_once
 
@@ -169,6 +172,12 @@ class StepStatic:
     impl: str = "auto"
     vectorised: bool = True
     lean: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def report_rows(self) -> int:
+        """Rows of its ``StepOutput.report``."""
+        return len(REPORT_ROWS) + 2 * self.top_logprobs
 
 
 def _per_row(x, dtype, rows: int) -> jax.Array:
@@ -377,10 +386,15 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
         alloc = jax.lax.scan(append, alloc, (slot_of, new_tokens, do_sample))[0]
     _, idle_next = ops.count_if_idle(layout, alloc, slot_of, do_sample)
     scores = logits.astype(jnp.float32)
-    logprob = jnp.take_along_axis(scores, new_tokens[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(scores, axis=-1)
+    lse = jax.nn.logsumexp(scores, axis=-1)
+    logprob = jnp.take_along_axis(scores, new_tokens[:, None], axis=-1)[:, 0] - lse
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
     report = jnp.stack([ok.astype(jnp.int32), n, jnp.where(ok, hit, 0), do_sample.astype(jnp.int32),
                         jnp.where(do_sample, new_tokens, -1), idle_next.astype(jnp.int32),
-                        jax.lax.bitcast_convert_type(jnp.where(do_sample, logprob, 0.0), jnp.int32)])
+                        bits(jnp.where(do_sample, logprob, 0.0))])
+    if static.top_logprobs:
+        top, ids = jax.lax.top_k(scores, static.top_logprobs)                 # [R, N] each
+        report = jnp.concatenate([report, ids.T.astype(jnp.int32), bits((top - lse[:, None]).T)])
     return EngineState(alloc, cache, key), StepOutput(report=report, logits=logits)
 
 
@@ -402,7 +416,7 @@ def decode_steps(static: StepStatic, steps: int, params: list[jax.Array], state:
     (``left: i32[R]``: tokens each planned lane may still generate) or a token in ``stops: i32[S]``
     (every stop token of the planned requests, -1 padded); and before a step that needs the fallback
     (that step does not run: the caller runs it with ``step``). Returns ``(state, StepOutput)``:
-    ``report: i32[steps, 7, R]``, one report per step run (-1 everywhere for the others), and the last
+    ``report: i32[steps, rows, R]``, one report per step run (-1 everywhere for the others), and the last
     step's ``logits``.
     """
     layout = static.layout
@@ -425,7 +439,7 @@ def decode_steps(static: StepStatic, steps: int, params: list[jax.Array], state:
         go = ran & (i + 1 < steps) & jnp.all(~active | (sampled & (left > i + 1) & ~jnp.isin(tokens, stops)))
         return i + 1, state, reports.at[i].set(out.report), out.logits, go
 
-    reports = jnp.full((steps, len(REPORT_ROWS), plan.slots.shape[0]), -1, jnp.int32)
+    reports = jnp.full((steps, static.report_rows, plan.slots.shape[0]), -1, jnp.int32)
     logits = jax.eval_shape(lambda: _compute(static, params, state, plan, state.alloc, active, plan.want,
                                              plan.want)[1].logits)
     carry = (jnp.int32(0), state, reports, jnp.zeros(logits.shape, logits.dtype), jnp.bool_(True))
