@@ -8,8 +8,11 @@ decode steps are traced. Prints the wall
 time per step and, per operation kind, milliseconds and events per step. Events of the thunk executor
 overlap when it runs thunks side by side, so their sum can exceed the wall time.
 
-Run: ``python benchmarks/profile_steps.py [--concurrency 32] [--decode-steps 1] [--quantize int8]``; needs
-the ``gemma`` extra. Traces go to a temporary directory (``--trace-dir`` keeps them).
+``--top-logprobs N``: every request asks for its ``N`` likeliest tokens per step
+(``Engine(max_top_logprobs=N)``), the cost of a ``top_k`` over the vocabulary.
+
+Run: ``python benchmarks/profile_steps.py [--concurrency 32] [--decode-steps 1] [--quantize int8]
+[--top-logprobs 5]``; needs the ``gemma`` extra. Traces go to a temporary directory (``--trace-dir`` keeps them).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--token-budget", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=1)
     ap.add_argument("--quantize", choices=QUANTIZE)
+    ap.add_argument("--top-logprobs", type=int, default=0, help="likeliest tokens each request asks for per step")
     ap.add_argument("--warm-up", type=int, default=40, help="untimed steps first")
     ap.add_argument("--steps", type=int, default=16, help="decode steps traced (at least)")
     ap.add_argument("--top", type=int, default=15, help="operation kinds printed")
@@ -63,9 +67,10 @@ def main(argv=None) -> int:
     model, _ = load_pretrained("gemma-3-270m", quantize=args.quantize, progress=not args.json)
     prompts = [p["ids"][:args.prompt_tokens] for p in json.loads(REFERENCE.read_text())["prompts"]]
     engine = engine_for(model, args.prompt_tokens + 200, max_requests=args.concurrency,
-                        token_budget=args.token_budget, decode_steps=args.decode_steps)
+                        token_budget=args.token_budget, decode_steps=args.decode_steps,
+                        max_top_logprobs=args.top_logprobs)
     for i in range(args.concurrency):
-        engine.add_request(prompts[i % len(prompts)], 200)
+        engine.add_request(prompts[i % len(prompts)], 200, top_logprobs=args.top_logprobs)
     fresh = True  # until a step compiles nothing: compiles would swamp the trace
     while engine.stats.steps < args.warm_up or fresh:
         compiled = Engine.compilations()
@@ -84,6 +89,7 @@ def main(argv=None) -> int:
         print("warning: the traced steps compiled a program (raise --warm-up)", file=sys.stderr)
     ops = sorted(op_times(trace_dir).items(), key=lambda kv: -kv[1][0])
     result = {"concurrency": args.concurrency, "decode_steps": args.decode_steps, "quantize": args.quantize,
+              "top_logprobs": args.top_logprobs,
               "steps": n, "wall_ms_per_step": round(wall / n * 1e3, 1),
               "ops": [{"kind": k, "ms_per_step": round(ns / n / 1e6, 2), "events_per_step": round(c / n, 1)}
                       for k, (ns, c) in ops[:args.top]]}

@@ -446,20 +446,23 @@ def test_stop_strings_end_a_request_inside_its_text_and_finish_reasons_say_why()
     """A request ends at the token whose text completes a stop string: it keeps the tokens it samples
     without one up to that token, ``text`` ends before the string (inside a token), and the others in its
     batch generate as without it. ``finish_reason``: a stop string and a stop token give "stop", the
-    token limit "length", ``abort`` "abort". (Seeded sampling: the tiny model's greedy tokens repeat.)"""
+    token limit "length", ``abort`` "abort". (Seeded sampling: the tiny model's greedy tokens repeat.)
+    The stop string comes late, where the engine searches only the last 20 tokens' text."""
     prompts = [p[:12] for p in workload(6)]
     sampling = [{"temperature": 1.0, "seed": i} for i in range(3)]
     free = llama4_engine(seed=0, detokenize=two_letters)
-    ids = [free.add_request(p, 8, **kw) for p, kw in zip(prompts, sampling)]
+    lengths = [40, 8, 40]
+    ids = [free.add_request(p, n, **kw) for p, n, kw in zip(prompts, lengths, sampling)]
     want = [free.run()[i] for i in ids]
     text = two_letters(want[0])
-    # The first 3 letters starting at an odd letter (across a token boundary) that do not occur earlier.
-    at = next(i for i in range(3, len(text) - 3, 2) if text.find(text[i:i + 3]) == i)
+    # The first 3 letters starting at an odd letter (across a token boundary) from the 26th token to the
+    # 35th that do not occur earlier.
+    at = next(i for i in range(51, 70, 2) if text.find(text[i:i + 3]) == i)
     last = (at + 2) // 2  # the token whose letters complete it
     eng = llama4_engine(seed=1, detokenize=two_letters)
-    by_string = eng.add_request(prompts[0], 8, stop_strings=["zzzzzz", text[at:at + 3]], **sampling[0])
+    by_string = eng.add_request(prompts[0], 40, stop_strings=["zzzzzz", text[at:at + 3]], **sampling[0])
     by_token = eng.add_request(prompts[1], 8, stop=(want[1][4],), **sampling[1])
-    by_length = eng.add_request(prompts[2], 8, **sampling[2])
+    by_length = eng.add_request(prompts[2], 40, **sampling[2])
     aborted = eng.add_request(prompts[3], 8)
     eng.step()
     eng.abort(aborted)

@@ -445,7 +445,13 @@ class Engine:
         return text if r.stop_string is None else text[:text.find(r.stop_string)]
 
     def _reached_stop_string(self, r: Request) -> bool:
-        """Whether ``r``'s text holds one of its stop strings (the earliest becomes ``r.stop_string``)."""
+        """Whether ``r``'s text holds one of its stop strings (the earliest becomes ``r.stop_string``), checked
+        after each of its tokens. So a new one ends in the newest token's text: only the last tokens'
+        text is searched (each token holds at least a quarter character: byte-fallback pieces), and
+        the whole text only on a hit, so a long generation does not decode all of it every step."""
+        tail = self.detokenize(r.generated[-4 * (max(map(len, r.stop_strings)) + 2):])
+        if not any(s in tail for s in r.stop_strings):
+            return False
         text = self.detokenize(r.generated)
         found = [s for s in r.stop_strings if s in text]
         if found:
