@@ -445,10 +445,11 @@ class Engine:
         return text if r.stop_string is None else text[:text.find(r.stop_string)]
 
     def _reached_stop_string(self, r: Request) -> bool:
-        """Whether ``r``'s text holds one of its stop strings (the earliest becomes ``r.stop_string``), checked
-        after each of its tokens. So a new one ends in the newest token's text: only the last tokens'
-        text is searched (each token holds at least a quarter character: byte-fallback pieces), and
-        the whole text only on a hit, so a long generation does not decode all of it every step."""
+        """Whether ``r``'s text holds one of its stop strings (the earliest becomes ``r.stop_string``). It runs
+        after each of ``r``'s tokens, so a string not found before ends in the newest token's text: the
+        text of the last few tokens is searched (a token holds at least a quarter of a character, as
+        byte-fallback pieces do), and the whole text only on a hit, so a long generation is not decoded
+        whole every step."""
         tail = self.detokenize(r.generated[-4 * (max(map(len, r.stop_strings)) + 2):])
         if not any(s in tail for s in r.stop_strings):
             return False
