@@ -1,4 +1,4 @@
-"""The ``hkv`` command: ``hkv plan``, ``hkv replay``, ``hkv demo`` and ``hkv generate``."""
+"""The ``hkv`` command: ``hkv plan``, ``hkv replay``, ``hkv demo``, ``hkv generate`` and ``hkv serve``."""
 
 from __future__ import annotations
 
@@ -136,6 +136,39 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import time
+
+    from hkv_jax.demo import DemoConfig, build_engine, default_model
+    from hkv_jax.models.pretrained import is_pretrained
+    from hkv_jax.models.tokenizer import ByteCodec
+    from hkv_jax.serve import CompletionServer
+
+    _positive(args, "num_blocks", "max_model_len", "max_requests", "token_budget", "decode_steps")
+    if not 0 <= args.port < 65536 or args.max_logprobs < 0 or args.seed < 0:
+        raise CliError("--port must be in [0, 65536), --max-logprobs and --seed >= 0")
+    model = args.model or default_model()
+    if args.quantize and not is_pretrained(model):
+        raise CliError(f"--quantize needs a real model (gemma-3-270m, a .gguf file or a checkpoint), not {model}")
+    sizes = {k: getattr(args, k) for k in ("num_blocks", "max_model_len", "max_requests", "token_budget")
+             if getattr(args, k) is not None}
+    cfg = replace(DemoConfig(model=model, seed=args.seed, quantize=args.quantize, decode_steps=args.decode_steps),
+                  **sizes)
+    use_compilation_cache()
+    engine, codec = build_engine(cfg, max_top_logprobs=args.max_logprobs)
+    server = CompletionServer(engine, codec or ByteCodec(), model)
+    print(f"hkv serve: {model}, {engine.layout.max_requests} requests at once of up to "
+          f"{engine.layout.max_model_len} tokens; compiling the step programs ...", file=sys.stderr)
+    host, port = server.start(args.host, args.port, warm=True)
+    print(f"hkv serve: http://{host}:{port} (POST /v1/completions, GET /v1/models); Ctrl-C stops", file=sys.stderr)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.stop()
+    return 0
+
+
 def _engine_options(p: argparse.ArgumentParser) -> None:
     """The serving options ``demo`` and ``generate`` share."""
     p.add_argument("--quantize", choices=QUANTIZE, help="int8 weights for a real model's linear layers and output "
@@ -211,6 +244,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print ids, text and timings as JSON (text streams to stderr)")
     _engine_options(g)
     g.set_defaults(func=_cmd_generate)
+    v = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-style /v1/completions)")
+    v.add_argument("--model", help="as for demo: gemma-3-270m (the default when installed), a .gguf file, a "
+                                   "checkpoint directory, or a tiny random model (its tokens are UTF-8 bytes)")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    v.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
+    v.add_argument("--max-logprobs", type=int, default=5,
+                   help="most likeliest tokens a request may ask for (its logprobs; default 5, 0: none)")
+    v.add_argument("--num-blocks", type=int, help="KV pool size in blocks (default: as for demo)")
+    v.add_argument("--max-model-len", type=int, help="longest request in tokens (default 256 tiny, 512 real)")
+    v.add_argument("--max-requests", type=int, help="requests served at once (default 8)")
+    v.add_argument("--token-budget", type=int, help="tokens computed per step (default 64)")
+    v.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling (and a tiny model's weights)")
+    _engine_options(v)
+    v.set_defaults(func=_cmd_serve)
     return parser
 
 

@@ -79,16 +79,17 @@ def default_model() -> str:
         return DEFAULT_TINY
 
 
-def build_engine(cfg: DemoConfig):
+def build_engine(cfg: DemoConfig, **engine_options):
     """The model and its engine: ``(engine, codec)``; ``codec`` is ``None`` for a tiny model (random weights
-    from ``seed``), whose workload is token ids."""
+    from ``seed``), whose workload is token ids. ``engine_options``: more ``Engine`` arguments."""
     if is_pretrained(cfg.model):
         model, codec = load_pretrained(cfg.model, quantize=cfg.quantize)
         return engine_for(model, cfg.max_model_len or 512, num_blocks=cfg.num_blocks, max_requests=cfg.max_requests, block_size=cfg.block_size,
                           token_budget=cfg.token_budget, seed=cfg.seed, decode_steps=cfg.decode_steps,
-                          window_aware_eviction=cfg.window_aware_eviction), codec
+                          window_aware_eviction=cfg.window_aware_eviction, detokenize=codec.decode,
+                          **engine_options), codec
     if cfg.model not in TINY_MODELS:
-        raise ValueError(f"unknown demo model {cfg.model!r}; choose {DEFAULT_REAL} or one of {', '.join(TINY_MODELS)}")
+        raise ValueError(f"unknown model {cfg.model!r}; choose {DEFAULT_REAL} or one of {', '.join(TINY_MODELS)}")
     if cfg.quantize is not None:
         raise ValueError(f"quantize={cfg.quantize!r} needs a real model, not {cfg.model}")
     _, config = resolve_model(cfg.model)
@@ -98,7 +99,7 @@ def build_engine(cfg: DemoConfig):
                   # One step program: a tiny model's decode steps gain little from their own, and each
                   # program costs tens of seconds to compile on a CPU.
                   token_buckets=(cfg.token_budget,), decode_steps=cfg.decode_steps,
-                  window_aware_eviction=cfg.window_aware_eviction), None
+                  window_aware_eviction=cfg.window_aware_eviction, **engine_options), None
 
 
 def _bar(done: int, total: int, extra: str) -> None:

@@ -73,8 +73,6 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
     engine.repetition_penalty = cfg.repetition_penalty
     engine.presence_penalty, engine.frequency_penalty = cfg.presence_penalty, cfg.frequency_penalty
     rid = engine.add_request(ids, cfg.max_new_tokens, stop=codec.eos_ids, stop_strings=cfg.stop)
-    # While it runs, the text's last characters might begin a stop string: they wait until they do not.
-    hold = max(map(len, cfg.stop), default=1) - 1
     load_s = time.perf_counter() - t0
     bar = None
     if progress:
@@ -100,12 +98,10 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
                 if bar is not None:
                     bar.close()
                     bar = None
-            text = engine.text(rid)
-            if not text.endswith("\ufffd"):  # a multi-byte character still incomplete
-                text = text if req.done else text[:max(len(text) - hold, 0)]
-                out.write(text[len(shown):])
-                out.flush()
-                shown = text
+            text = engine.text(rid, stable=True)
+            out.write(text[len(shown):])
+            out.flush()
+            shown = text
     text = engine.text(rid)
     out.write(text[len(shown):] + "\n")
     done = time.perf_counter()

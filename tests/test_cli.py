@@ -47,7 +47,7 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
         (["plan"], "the following arguments are required: model"),
         (["plan", "gemma-3-1b", "--polcy", "vllm"], "unrecognized arguments"),
         (["demo", "--requests", "0"], "--requests"),
-        (["demo", "--model", "gemma-3-27b"], "unknown demo model"),
+        (["demo", "--model", "gemma-3-27b"], "unknown model"),
         (["demo", "--num-blocks", "3", "--model", "tiny-gemma3"], "cannot hold one request of max_model_len 256 tokens"),
         (["demo", "--num-blocks", "20", "--model", "tiny-gemma3"], "cannot hold one request"),
         (["demo", "--max-model-len", "0"], "--max-model-len must be positive"),
@@ -66,6 +66,10 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
         (["generate", "hi", "--frequency-penalty", "2.5"], "--frequency-penalty must be in [-2, 2]"),
         (["generate", "hi", "--stop", "END", "--stop", ""], "--stop must not be empty"),
         (["generate", "hi", "--model", "/nonexistent/model.gguf"], "no such model"),
+        (["serve", "--port", "70000"], "--port must be in [0, 65536)"),
+        (["serve", "--max-requests", "0"], "--max-requests must be positive"),
+        (["serve", "--model", "tiny-gemma3", "--quantize", "int8"], "--quantize needs a real model"),
+        (["serve", "--model", "gemma-3-27b"], "unknown model"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):

@@ -475,6 +475,10 @@ def test_stop_strings_end_a_request_inside_its_text_and_finish_reasons_say_why()
     assert [r[i].finish_reason for i in (by_string, by_token, by_length, aborted)] == ["stop", "stop", "length",
                                                                                      "abort"]
     assert all(r[i].done for i in r)
+    kept = r[by_length]
+    assert eng.forget(by_length) is kept and by_length not in eng.requests  # a server keeps no record
+    with pytest.raises(ValueError, match="request 4 is not done"):
+        eng.forget(eng.add_request(prompts[0], 2))
     with pytest.raises(ValueError, match="non-empty strings"):
         eng.add_request(prompts[0], 2, stop_strings=["ab", ""])
     plain = llama4_engine(seed=0)

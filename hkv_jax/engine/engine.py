@@ -435,14 +435,22 @@ class Engine:
         self.waiting.append(rid)
         return rid
 
-    def text(self, rid: int) -> str:
+    def text(self, rid: int, stable: bool = False) -> str:
         """The text of request ``rid``'s generated tokens (``detokenize``), up to its stop string if one
-        ended it (vLLM's output text)."""
+        ended it (vLLM's output text). ``stable``: while it runs, leave out the end that later tokens may
+        still change (up to 3 trailing U+FFFD, the most a character whose bytes are not all there yet
+        shows as, and the last characters, which might begin a stop string), so that streamed pieces of
+        it add up to the final text."""
         if self.detokenize is None:
             raise ValueError("text needs the engine's detokenize (Engine(..., detokenize=codec.decode))")
         r = self.requests[rid]
         text = self.detokenize(r.generated)
-        return text if r.stop_string is None else text[:text.find(r.stop_string)]
+        if r.stop_string is not None:
+            return text[:text.find(r.stop_string)]
+        if stable and not r.done:
+            held = min(len(text) - len(text.rstrip("\ufffd")), 3) + max(map(len, r.stop_strings), default=1) - 1
+            return text[:max(len(text) - held, 0)]
+        return text
 
     def _reached_stop_string(self, r: Request) -> bool:
         """Whether ``r``'s text holds one of its stop strings (the earliest becomes ``r.stop_string``). It runs
@@ -482,6 +490,14 @@ class Engine:
         self.stats.aborted += 1
         self._decoding = None  # the next step plans request by request and rebuilds the record
         return True
+
+    def forget(self, rid: int) -> Request:
+        """Drop finished request ``rid`` from ``requests`` and return it, so that a long-running server's
+        record of past requests does not grow without end. ``ValueError`` while it is not done."""
+        r = self.requests[rid]
+        if not r.done:
+            raise ValueError(f"request {rid} is not done")
+        return self._requests.pop(rid)
 
     def _free_slot(self) -> int:
         used = {r.slot for r in self.requests.values() if r.slot >= 0} | set(self._to_free)

@@ -87,3 +87,18 @@ def gemma_codec(tokenizer, *, bos_id: int = 2, eos_id: int = 1) -> TextCodec:
     """Gemma's codec: BOS 2, and generation stops at ``<eos>`` or ``<end_of_turn>``."""
     end_of_turn = tokenizer.token_to_id("<end_of_turn>")
     return TextCodec(tokenizer, bos_id, (eos_id,) if end_of_turn is None else (eos_id, end_of_turn))
+
+
+@dataclass(frozen=True)
+class ByteCodec:
+    """The text codec of the tiny models (vocabulary 256): a token is one byte of the UTF-8 text."""
+
+    eos_ids: tuple[int, ...] = ()
+
+    def encode(self, text: str, *, bos: bool = True) -> list[int]:
+        """The UTF-8 bytes of ``text`` (there is no BOS token; ``bos`` is taken for ``TextCodec``'s sake)."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of the bytes ``ids`` (an invalid or incomplete sequence becomes U+FFFD)."""
+        return bytes(ids).decode("utf-8", errors="replace")

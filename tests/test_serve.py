@@ -1,0 +1,143 @@
+"""``hkv serve``: the OpenAI-style endpoint against the engine it serves, over real HTTP on localhost."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from hkv_jax.demo import DemoConfig, build_engine
+from hkv_jax.models.tokenizer import ByteCodec
+from hkv_jax.serve import CompletionServer
+
+pytestmark = pytest.mark.xdist_group("serve")  # one worker: one server, one compile
+
+CFG = DemoConfig(model="tiny-gptoss", num_blocks=64, max_model_len=96, max_requests=4, token_budget=32)
+CODEC = ByteCodec()
+PROMPTS = ["Hello, hybrid KV cache!", "Paged attention, served over HTTP.", "A third prompt, longer than the others."]
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine, _ = build_engine(CFG, max_top_logprobs=2)
+    served = CompletionServer(engine, CODEC, "tiny-gptoss")
+    host, port = served.start("127.0.0.1", 0)
+    served.url = f"http://{host}:{port}"
+    yield served
+    served.stop()
+
+
+def request(server, path: str, body=None, raw: bytes | None = None) -> tuple[int, object]:
+    """``(status, parsed JSON)``; a stream's answer as the list of its ``data:`` payloads."""
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(server.url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            text = resp.read().decode()
+            status = resp.status
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    if text.startswith("data: "):
+        return status, [p if p == "[DONE]" else json.loads(p) for p in
+                        (line[len("data: "):] for line in text.split("\n\n") if line)]
+    return status, json.loads(text)
+
+
+def engine_answer(prompt: str, n: int, **sampling) -> tuple[str, list[int], list[float]]:
+    """What an engine of the same sizes generates for ``prompt`` on its own: text, tokens, log-probabilities."""
+    engine, _ = build_engine(CFG, max_top_logprobs=2, detokenize=CODEC.decode)
+    rid = engine.add_request(CODEC.encode(prompt), n, logprobs=True, **sampling)
+    engine.run()
+    r = engine.requests[rid]
+    return engine.text(rid), r.generated, r.logprobs
+
+
+def test_completions_equal_the_engines_own_served_together_and_streamed(server):
+    bodies = [{"prompt": p, "max_tokens": 12, "temperature": 0.9, "seed": i, "logprobs": 2}
+              for i, p in enumerate(PROMPTS)]
+    answers = [None] * (len(bodies) + 1)
+
+    def send(i, body):
+        answers[i] = request(server, "/v1/completions", body)
+
+    threads = [threading.Thread(target=send, args=(i, b)) for i, b in enumerate(bodies)]
+    threads.append(threading.Thread(target=send, args=(len(bodies), {**bodies[0], "stream": True})))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (status, got), body in zip(answers, bodies):
+        assert status == 200, got
+        text, tokens, logprobs = engine_answer(body["prompt"], 12, temperature=0.9, seed=body["seed"])
+        choice = got["choices"][0]
+        assert choice["text"] == text and choice["finish_reason"] == "length"
+        assert got["usage"] == {"prompt_tokens": len(CODEC.encode(body["prompt"])), "completion_tokens": 12,
+                                "total_tokens": len(CODEC.encode(body["prompt"])) + 12}
+        lp = choice["logprobs"]
+        assert lp["tokens"] == [CODEC.decode([t]) for t in tokens]
+        np.testing.assert_allclose(lp["token_logprobs"], logprobs, atol=1e-5, rtol=0)
+        assert len(lp["top_logprobs"]) == 12 and all(1 <= len(top) <= 2 for top in lp["top_logprobs"])
+        assert all(max(top.values()) >= v - 1e-6 for top, v in zip(lp["top_logprobs"], lp["token_logprobs"]))
+    status, events = answers[-1]
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == answers[0][1]["choices"][0]["text"]
+    assert [c["finish_reason"] for c in chunks][-1] == "length" and len(chunks) > 1
+    assert sum(len(c["logprobs"]["tokens"]) for c in chunks) == 12
+    while server.engine.has_work:  # the step that frees the last blocks
+        time.sleep(0.05)
+    assert not server.engine.requests  # finished requests are forgotten
+
+
+def test_a_stop_string_ends_the_text_before_it_streamed_or_not(server):
+    text, _, _ = engine_answer(PROMPTS[1], 16, temperature=0.9, seed=7)
+    at = next(i for i in range(2, len(text) - 2) if "\ufffd" not in text[i:i + 2] and text.find(text[i:i + 2]) == i)
+    body = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0.9, "seed": 7, "stop": [text[at:at + 2]]}
+    status, got = request(server, "/v1/completions", body)
+    assert status == 200 and got["choices"][0]["text"] == text[:at] and got["choices"][0]["finish_reason"] == "stop"
+    status, events = request(server, "/v1/completions", {**body, "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text[:at]
+
+
+def test_bad_requests_get_400_and_the_server_goes_on(server):
+    long_prompt = "x" * 90
+    for body, message in (({"prompt": "hi", "max_tokens": 0}, "max_tokens must be a positive integer"),
+                          ({"prompt": "", "max_tokens": 4}, "prompt must be a non-empty string"),
+                          ({"prompt": "hi", "temperature": -1}, "temperature must be"),
+                          ({"prompt": "hi", "logprobs": 3}, "logprobs must be an integer in [0, 2]"),
+                          ({"prompt": "hi", "n": 2}, "n must be 1 here"),
+                          ({"prompt": "hi", "stop": [""]}, "stop_strings must be non-empty"),
+                          ({"prompt": long_prompt, "max_tokens": 10}, "exceeds max_model_len 96"),
+                          ([1, 2], "the body must be a JSON object")):
+        status, got = request(server, "/v1/completions", body)
+        assert status == 400 and message in got["error"]["message"], (body, got)
+    status, got = request(server, "/v1/completions", raw=b"{not json")
+    assert status == 400 and got["error"]["type"] == "invalid_request_error"
+    assert request(server, "/v1/nothing", {})[0] == 404
+    status, got = request(server, "/v1/models")
+    assert status == 200 and got["data"][0]["id"] == "tiny-gptoss" and got["data"][0]["max_model_len"] == 96
+    status, got = request(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0})
+    assert status == 200 and got["usage"]["completion_tokens"] == 3
+
+
+def test_a_client_that_leaves_mid_stream_is_aborted(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=300)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 90, "stream": True,
+                                                        "seed": 1}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")  # the first chunk came
+    aborted = server.engine.stats.aborted
+    resp.close()  # the response holds the socket too
+    conn.close()
+    deadline = time.time() + 120
+    while server.engine.stats.aborted == aborted or server.engine.has_work:
+        assert time.time() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+    assert not server.engine.requests and server.engine.stats.generated < 90
