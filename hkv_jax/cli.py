@@ -160,7 +160,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(f"hkv serve: {model}, {engine.layout.max_requests} requests at once of up to "
           f"{engine.layout.max_model_len} tokens; compiling the step programs ...", file=sys.stderr)
     host, port = server.start(args.host, args.port, warm=True)
-    print(f"hkv serve: http://{host}:{port} (POST /v1/completions, GET /v1/models); Ctrl-C stops", file=sys.stderr)
+    print(f"hkv serve: http://{host}:{port} (POST /v1/completions, /v1/chat/completions; GET /v1/models); "
+          "Ctrl-C stops", file=sys.stderr)
     try:
         while True:
             time.sleep(3600)
@@ -244,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print ids, text and timings as JSON (text streams to stderr)")
     _engine_options(g)
     g.set_defaults(func=_cmd_generate)
-    v = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-style /v1/completions)")
+    v = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-style /v1/completions and "
+                                     "/v1/chat/completions)")
     v.add_argument("--model", help="as for demo: gemma-3-270m (the default when installed), a .gguf file, a "
                                    "checkpoint directory, or a tiny random model (its tokens are UTF-8 bytes)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -15,9 +15,8 @@ from typing import TextIO
 
 from hkv_jax.engine import Engine
 from hkv_jax.models.pretrained import load_pretrained
+from hkv_jax.models.tokenizer import gemma_chat
 from hkv_jax.planner import plan
-
-CHAT_TEMPLATE = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
         raise ValueError(f"max_new_tokens must be positive, got {cfg.max_new_tokens}")
     t0 = time.perf_counter()
     model, codec = load_pretrained(cfg.model, kv_dtype=cfg.kv_dtype, quantize=cfg.quantize, progress=progress)
-    ids = codec.encode(CHAT_TEMPLATE.format(prompt) if cfg.chat else prompt)
+    ids = codec.encode(gemma_chat([{"role": "user", "content": prompt}]) if cfg.chat else prompt)
     engine = engine_for(model, len(ids) + cfg.max_new_tokens, block_size=cfg.block_size,
                         token_budget=cfg.token_budget, seed=cfg.seed, decode_steps=cfg.decode_steps,
                         detokenize=codec.decode)

@@ -1,4 +1,4 @@
-"""``hkv serve``: an OpenAI-style completions endpoint over one engine, on the standard library's HTTP
+"""``hkv serve``: OpenAI-style completion endpoints over one engine, on the standard library's HTTP
 server (nothing more to install).
 
 - ``POST /v1/completions``: ``prompt`` (text, or a list of token ids), ``max_tokens`` (default 16),
@@ -7,6 +7,9 @@ server (nothing more to install).
   (how many likeliest tokens to list per generated token, at most the engine's ``max_top_logprobs``) and
   ``stream`` (server-sent events, ``data: [DONE]`` last). The answer has ``choices[0]`` (``text``,
   ``finish_reason``, ``logprobs``) and ``usage``. A client that goes away mid-stream is aborted.
+- ``POST /v1/chat/completions``: the same with ``messages`` (in Gemma's turn format, ``gemma_chat``)
+  instead of ``prompt``, ``max_completion_tokens`` or ``max_tokens``, and ``logprobs: true`` with
+  ``top_logprobs``; the answer's ``choices[0].message`` (a stream's ``delta``) holds the text.
 - ``GET /v1/models``, ``GET /health``.
 
 One thread owns the engine. Between steps it takes the requests the HTTP threads queued (and the aborts
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from hkv_jax.engine import Engine
+from hkv_jax.models.tokenizer import gemma_chat
 
 # Request fields given to ``Engine.add_request`` as they are (absent: the engine's value).
 _SAMPLING = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -40,10 +44,9 @@ class _Served:
     """What the engine thread keeps of one request it serves."""
 
     replies: queue.Queue  # its updates, for the HTTP thread; the last one has "finish_reason" or "error"
-    top: int | None       # likeliest tokens listed per token (``logprobs``); None: no log-probabilities
+    top: int | None       # likeliest tokens listed per token; None: no log-probabilities
     shown: int = 0        # characters of its text sent
     sent: int = 0         # tokens whose log-probabilities were sent
-    offset: int = 0       # characters of the per-token texts sent (``logprobs.text_offset``)
 
 
 class CompletionServer:
@@ -84,38 +87,47 @@ class CompletionServer:
 
     # --- HTTP threads ----------------------------------------------------------------------
 
-    def submit(self, body) -> queue.Queue:
-        """Queue the completion request ``body`` (parsed JSON); returns the queue its updates arrive on: first
-        ``{"id": rid, "prompt_tokens": n}`` or ``{"error": message}``. ``BadRequest`` for malformed fields."""
+    def submit(self, body, chat: bool = False) -> tuple[queue.Queue, int | None]:
+        """Queue the completion request ``body`` (parsed JSON; ``chat``: a chat completion). Returns the
+        queue its updates arrive on (first ``{"id": rid, "prompt_tokens": n}`` or ``{"error": message}``)
+        and how many likeliest tokens it lists (None: no log-probabilities). ``ValueError`` (``BadRequest``)
+        for malformed fields."""
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
         for name, value in _FIXED.items():
             if body.get(name, value) != value:
                 raise BadRequest(f"{name} must be {json.dumps(value)} here")
         prompt = body.get("prompt")
-        if isinstance(prompt, str) and prompt:
+        if chat:
+            ids = self.codec.encode(gemma_chat(body.get("messages")))
+        elif isinstance(prompt, str) and prompt:
             ids = self.codec.encode(prompt)
         elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             ids = prompt
         else:
             raise BadRequest("prompt must be a non-empty string or a list of token ids")
-        max_tokens = body.get("max_tokens", 16)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16)) if chat else body.get("max_tokens", 16)
         if type(max_tokens) is not int or max_tokens < 1:
             raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
         stop = body.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
             raise BadRequest("stop must be a string or a list of strings")
-        top = body.get("logprobs")
+        if chat:  # logprobs: true, and top_logprobs likeliest tokens (0 by default)
+            if type(body.get("logprobs", False)) is not bool:
+                raise BadRequest("logprobs must be true or false")
+            top, name = body.get("top_logprobs", 0 if body.get("logprobs") else None), "top_logprobs"
+        else:
+            top, name = body.get("logprobs"), "logprobs"
         if top is not None and (type(top) is not int or not 0 <= top <= self.engine.max_top_logprobs):
-            raise BadRequest(f"logprobs must be an integer in [0, {self.engine.max_top_logprobs}], got {top!r}")
+            raise BadRequest(f"{name} must be an integer in [0, {self.engine.max_top_logprobs}], got {top!r}")
         request = {"prompt": ids, "max_new_tokens": max_tokens, "stop": tuple(self.codec.eos_ids),
                    "stop_strings": tuple(stop), "temperature": body.get("temperature", 1.0),
                    "logprobs": top is not None, "top_logprobs": top or 0,
                    **{name: body[name] for name in _SAMPLING if name in body}}
         replies: queue.Queue = queue.Queue()
         self._inbox.put(("add", request, _Served(replies, top)))
-        return replies
+        return replies, top
 
     def abort(self, rid: int) -> None:
         """End request ``rid`` (its client went away)."""
@@ -178,20 +190,56 @@ class CompletionServer:
             self.engine.forget(rid)
         served.replies.put(update)
 
-    def _logprobs(self, served: _Served, r) -> dict:
-        """OpenAI's ``logprobs`` object for ``r``'s tokens not sent yet."""
+    def _logprobs(self, served: _Served, r) -> list:
+        """``(text, log-probability, [(text, log-probability)] of the likeliest)`` per token of ``r`` not
+        sent yet."""
         decode = self.codec.decode
         new = range(served.sent, len(r.generated))
-        tokens = [decode([r.generated[i]]) for i in new]
-        offsets = []
-        for t in tokens:
-            offsets.append(served.offset)
-            served.offset += len(t)
         served.sent = len(r.generated)
+        return [(decode([r.generated[i]]), r.logprobs[i],
+                 [(decode([t]), v) for t, v in r.top_logprobs[i]] if served.top else []) for i in new]
+
+
+class _Answer:
+    """OpenAI's answer objects for one request: a completion, or a chat completion (``chat``)."""
+
+    def __init__(self, chat: bool, rid: int, model: str, top: int | None):
+        self.chat, self.top, self.offset = chat, top, 0
+        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "created": int(time.time()), "model": model}
+
+    def logprobs(self, entries: list | None):
+        """The ``logprobs`` object of ``entries`` (``CompletionServer._logprobs``), in this kind's format."""
+        if self.top is None or entries is None:
+            return None
+        if self.chat:
+            def item(t, v):
+                return {"token": t, "logprob": v, "bytes": list(t.encode())}
+
+            return {"content": [{**item(t, v), "top_logprobs": [item(*x) for x in top]} for t, v, top in entries]}
+        offsets = []
+        for t, _, _ in entries:
+            offsets.append(self.offset)
+            self.offset += len(t)
         # Tokens with the same text (bytes of an incomplete character) share a key: the likeliest keeps it.
-        top = [{decode([t]): v for t, v in reversed(r.top_logprobs[i])} for i in new] if served.top else None
-        return {"tokens": tokens, "token_logprobs": [r.logprobs[i] for i in new], "top_logprobs": top,
+        return {"tokens": [t for t, _, _ in entries], "token_logprobs": [v for _, v, _ in entries],
+                "top_logprobs": [dict(reversed(top)) for _, _, top in entries] if self.top else None,
                 "text_offset": offsets}
+
+    def whole(self, text: str, entries: list | None, finish: str, usage: dict) -> dict:
+        """The answer to a request that does not stream."""
+        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
+                "choices": [{"index": 0, **body, "logprobs": self.logprobs(entries), "finish_reason": finish}],
+                "usage": usage}
+
+    def chunk(self, text: str, entries: list | None, finish: str | None, first: bool = False) -> dict:
+        """One event of a stream (a chat stream's first names the role)."""
+        if self.chat:
+            body = {"delta": ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})}
+        else:
+            body = {"text": text}
+        return {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "choices": [{"index": 0, **body, "logprobs": self.logprobs(entries), "finish_reason": finish}]}
 
 
 def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
@@ -226,12 +274,13 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
                 self._error(404, f"no such path: {self.path}")
 
         def do_POST(self):  # noqa: N802
-            if self.path != "/v1/completions":
+            chat = {"/v1/completions": False, "/v1/chat/completions": True}.get(self.path)
+            if chat is None:
                 self._error(404, f"no such path: {self.path}")
                 return
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
-                replies = server.submit(body)
+                replies, top = server.submit(body, chat)
             except ValueError as e:  # malformed JSON or fields
                 self._error(400, str(e))
                 return
@@ -239,32 +288,28 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
             if "error" in first:
                 self._error(400, first["error"])
                 return
-            head = {"id": f"cmpl-{first['id']}", "object": "text_completion", "created": int(time.time()),
-                    "model": server.model_name}
+            answer = _Answer(chat, first["id"], server.model_name, top)
             if body.get("stream"):
-                self._stream(first["id"], head, replies)
+                self._stream(first["id"], answer, replies)
             else:
-                self._answer(first, head, replies)
+                self._whole(first, answer, replies)
 
-        def _answer(self, first: dict, head: dict, replies: queue.Queue) -> None:
-            text, logprobs = [], None
+        def _whole(self, first: dict, answer: _Answer, replies: queue.Queue) -> None:
+            text, entries = [], []
             while True:
                 u = replies.get()
                 if "error" in u:
                     self._error(500, u["error"])
                     return
                 text.append(u["text"])
-                if "logprobs" in u:
-                    logprobs = u["logprobs"] if logprobs is None else {
-                        k: None if v is None else logprobs[k] + v for k, v in u["logprobs"].items()}
+                entries += u.get("logprobs", [])
                 if "finish_reason" in u:
                     break
             n, m = first["prompt_tokens"], u["completion_tokens"]
-            self._json(200, {**head, "choices": [{"index": 0, "text": "".join(text), "logprobs": logprobs,
-                                                  "finish_reason": u["finish_reason"]}],
-                             "usage": {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}})
+            usage = {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+            self._json(200, answer.whole("".join(text), entries, u["finish_reason"], usage))
 
-        def _stream(self, rid: int, head: dict, replies: queue.Queue) -> None:
+        def _stream(self, rid: int, answer: _Answer, replies: queue.Queue) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
@@ -272,6 +317,8 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.close_connection = True
             try:
+                if answer.chat:
+                    self._event(answer.chunk("", None, None, first=True))
                 while True:
                     u = replies.get()
                     if "error" in u:
@@ -279,9 +326,7 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
                         break
                     done = "finish_reason" in u
                     if u["text"] or u.get("logprobs") or done:
-                        self._event({**head, "choices": [{"index": 0, "text": u["text"],
-                                                          "logprobs": u.get("logprobs"),
-                                                          "finish_reason": u.get("finish_reason")}]})
+                        self._event(answer.chunk(u["text"], u.get("logprobs"), u.get("finish_reason")))
                     if done:
                         break
                 self.wfile.write(b"data: [DONE]\n\n")

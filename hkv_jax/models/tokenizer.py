@@ -83,6 +83,28 @@ class TextCodec:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
+def gemma_chat(messages: list[dict]) -> str:
+    """OpenAI-style ``messages`` (``role``: system, user or assistant; ``content``: text) in Gemma's turn
+    format, as its chat template writes them (content trimmed; Gemma has no system turn, so system text
+    opens the first user turn), ending with the model's turn opened. ``ValueError`` for a malformed list."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    system, turns = [], []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                or not isinstance(m.get("content"), str):
+            raise ValueError("each message needs a role (system, user or assistant) and a string content")
+        if m["role"] == "system":
+            system.append(m["content"].strip())
+        else:
+            turns.append(("user" if m["role"] == "user" else "model", m["content"].strip()))
+    if system and (not turns or turns[0][0] != "user"):
+        turns.insert(0, ("user", ""))
+    if system:
+        turns[0] = ("user", "\n\n".join(system + [turns[0][1]]))
+    return "".join(f"<start_of_turn>{role}\n{text}<end_of_turn>\n" for role, text in turns) + "<start_of_turn>model\n"
+
+
 def gemma_codec(tokenizer, *, bos_id: int = 2, eos_id: int = 1) -> TextCodec:
     """Gemma's codec: BOS 2, and generation stops at ``<eos>`` or ``<end_of_turn>``."""
     end_of_turn = tokenizer.token_to_id("<end_of_turn>")
