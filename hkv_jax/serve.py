@@ -8,8 +8,9 @@ server (nothing more to install).
   ``stream`` (server-sent events, ``data: [DONE]`` last). The answer has ``choices[0]`` (``text``,
   ``finish_reason``, ``logprobs``) and ``usage``. A client that goes away mid-stream is aborted.
 - ``POST /v1/chat/completions``: the same with ``messages`` (in Gemma's turn format, ``gemma_chat``)
-  instead of ``prompt``, ``max_completion_tokens`` or ``max_tokens``, and ``logprobs: true`` with
-  ``top_logprobs``; the answer's ``choices[0].message`` (a stream's ``delta``) holds the text.
+  instead of ``prompt``, ``max_completion_tokens`` or ``max_tokens`` (default: up to the engine's
+  ``max_model_len``), and ``logprobs: true`` with ``top_logprobs``; the answer's ``choices[0].message``
+  (a stream's ``delta``) holds the text.
 - ``GET /v1/models``, ``GET /health``.
 
 One thread owns the engine. Between steps it takes the requests the HTTP threads queued (and the aborts
@@ -106,7 +107,11 @@ class CompletionServer:
             ids = prompt
         else:
             raise BadRequest("prompt must be a non-empty string or a list of token ids")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16)) if chat else body.get("max_tokens", 16)
+        if chat:  # by default, up to the longest request, as vLLM's chat completions
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens",
+                                                                    max(self.engine.layout.max_model_len - len(ids), 1)))
+        else:
+            max_tokens = body.get("max_tokens", 16)
         if type(max_tokens) is not int or max_tokens < 1:
             raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
         stop = body.get("stop") or ()

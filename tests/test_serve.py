@@ -125,6 +125,9 @@ def test_chat_completions_answer_in_the_chat_format(server):
     deltas = [e["choices"][0]["delta"] for e in events[:-1]]
     assert deltas[0]["role"] == "assistant" and "".join(d.get("content", "") for d in deltas) == text
     assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
+    status, got = request(server, "/v1/chat/completions", {"messages": messages, "temperature": 0})
+    usage = got["usage"]  # no token limit given: up to max_model_len
+    assert status == 200 and usage["total_tokens"] == 96 and got["choices"][0]["finish_reason"] == "length"
     for bad, message in (({"messages": []}, "messages must be a non-empty list"),
                          ({"messages": [{"role": "robot", "content": "hi"}]}, "each message needs a role"),
                          ({"messages": messages, "logprobs": "yes"}, "logprobs must be true or false"),
