@@ -121,7 +121,7 @@ class CompletionServer:
         if chat:  # logprobs: true, and top_logprobs likeliest tokens (0 by default)
             if type(body.get("logprobs", False)) is not bool:
                 raise BadRequest("logprobs must be true or false")
-            top, name = body.get("top_logprobs", 0 if body.get("logprobs") else None), "top_logprobs"
+            top, name = body.get("top_logprobs", 0) if body.get("logprobs") else None, "top_logprobs"
         else:
             top, name = body.get("logprobs"), "logprobs"
         if top is not None and (type(top) is not int or not 0 <= top <= self.engine.max_top_logprobs):

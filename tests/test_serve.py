@@ -125,6 +125,7 @@ def test_chat_completions_answer_in_the_chat_format(server):
     deltas = [e["choices"][0]["delta"] for e in events[:-1]]
     assert deltas[0]["role"] == "assistant" and "".join(d.get("content", "") for d in deltas) == text
     assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
+    assert all(e["choices"][0]["logprobs"] is None for e in events[:-1])  # top_logprobs needs logprobs: true
     status, got = request(server, "/v1/chat/completions", {"messages": messages, "temperature": 0})
     usage = got["usage"]  # no token limit given: up to max_model_len
     assert status == 200 and usage["total_tokens"] == 96 and got["choices"][0]["finish_reason"] == "length"
