@@ -91,21 +91,31 @@ def use_compilation_cache() -> str | None:
     return path or None
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from hkv_jax.demo import DemoConfig, default_model, main_demo
+_POOL_SIZES = ("num_blocks", "max_model_len", "max_requests", "token_budget")
+
+
+def _demo_config(args: argparse.Namespace, **fields):
+    """The ``DemoConfig`` of ``demo`` or ``serve`` (``_pool_options``, ``_engine_options``, ``--model``,
+    ``--seed``; ``fields``: more of its fields), checked before anything is loaded or compiled."""
+    from hkv_jax.demo import DemoConfig, default_model
     from hkv_jax.models.pretrained import is_pretrained
 
-    _positive(args, "requests", "num_blocks", "max_model_len", "max_requests", "token_budget", "decode_steps")
+    _positive(args, *_POOL_SIZES, "decode_steps")
     if args.seed < 0:
         raise CliError(f"--seed must be >= 0, got {args.seed}")
-    sizes = {k: getattr(args, k) for k in ("num_blocks", "max_model_len", "max_requests", "token_budget")
-             if getattr(args, k) is not None}
+    sizes = {k: getattr(args, k) for k in _POOL_SIZES if getattr(args, k) is not None}
     model = args.model or default_model()
     if args.quantize and not is_pretrained(model):
         raise CliError(f"--quantize needs a real model (gemma-3-270m, a .gguf file or a checkpoint), not {model}")
-    cfg = replace(DemoConfig(model=model, requests=args.requests, seed=args.seed,
-                             window_aware_eviction=args.window_aware_eviction, quantize=args.quantize,
-                             decode_steps=args.decode_steps), **sizes)
+    return replace(DemoConfig(model=model, seed=args.seed, quantize=args.quantize, decode_steps=args.decode_steps,
+                              **fields), **sizes)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from hkv_jax.demo import main_demo
+
+    _positive(args, "requests")
+    cfg = _demo_config(args, requests=args.requests, window_aware_eviction=args.window_aware_eviction)
     use_compilation_cache()
     return main_demo(cfg, as_json=args.json)
 
@@ -139,25 +149,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import time
 
-    from hkv_jax.demo import DemoConfig, build_engine, default_model
-    from hkv_jax.models.pretrained import is_pretrained
+    from hkv_jax.demo import build_engine
     from hkv_jax.models.tokenizer import ByteCodec
     from hkv_jax.serve import CompletionServer
 
-    _positive(args, "num_blocks", "max_model_len", "max_requests", "token_budget", "decode_steps")
-    if not 0 <= args.port < 65536 or args.max_logprobs < 0 or args.seed < 0:
-        raise CliError("--port must be in [0, 65536), --max-logprobs and --seed >= 0")
-    model = args.model or default_model()
-    if args.quantize and not is_pretrained(model):
-        raise CliError(f"--quantize needs a real model (gemma-3-270m, a .gguf file or a checkpoint), not {model}")
-    sizes = {k: getattr(args, k) for k in ("num_blocks", "max_model_len", "max_requests", "token_budget")
-             if getattr(args, k) is not None}
-    cfg = replace(DemoConfig(model=model, seed=args.seed, quantize=args.quantize, decode_steps=args.decode_steps),
-                  **sizes)
+    if not 0 <= args.port < 65536 or args.max_logprobs < 0:
+        raise CliError("--port must be in [0, 65536) and --max-logprobs >= 0")
+    cfg = _demo_config(args)
     use_compilation_cache()
     engine, codec = build_engine(cfg, max_top_logprobs=args.max_logprobs)
-    server = CompletionServer(engine, codec or ByteCodec(), model)
-    print(f"hkv serve: {model}, {engine.layout.max_requests} requests at once of up to "
+    server = CompletionServer(engine, codec or ByteCodec(), cfg.model)
+    print(f"hkv serve: {cfg.model}, {engine.layout.max_requests} requests at once of up to "
           f"{engine.layout.max_model_len} tokens; compiling the step programs ...", file=sys.stderr)
     host, port = server.start(args.host, args.port, warm=True)
     print(f"hkv serve: http://{host}:{port} (POST /v1/completions, /v1/chat/completions; GET /v1/models); "
@@ -168,6 +170,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         server.stop()
     return 0
+
+
+def _pool_options(p: argparse.ArgumentParser) -> None:
+    """The engine sizes ``demo`` and ``serve`` share."""
+    p.add_argument("--num-blocks", type=int, help="KV pool size in blocks, null block included (default: 160 "
+                                                  "for a tiny model, max-requests requests for a real one)")
+    p.add_argument("--max-model-len", type=int, help="longest request in tokens (default 256 tiny, 512 real)")
+    p.add_argument("--max-requests", type=int, help="requests served at once (default 8)")
+    p.add_argument("--token-budget", type=int, help="tokens computed per step (default 64)")
 
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
@@ -211,11 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--requests", type=int, default=24, help="requests in all (3 turns per conversation)")
     d.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
-    d.add_argument("--num-blocks", type=int, help="KV pool size in blocks, null block included (default: 160 "
-                                                  "for a tiny model, max-requests requests for a real one)")
-    d.add_argument("--max-model-len", type=int, help="longest request in tokens (default 256 tiny, 512 real)")
-    d.add_argument("--max-requests", type=int, help="requests served at once (default 8)")
-    d.add_argument("--token-budget", type=int, help="tokens computed per step (default 64)")
+    _pool_options(d)
     d.add_argument("--window-aware-eviction", action="store_true",
                    help="blocks leaving a sliding window go to the front of the free queue (our policy)")
     _engine_options(d)
@@ -253,10 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
     v.add_argument("--max-logprobs", type=int, default=5,
                    help="most likeliest tokens a request may ask for (its logprobs; default 5, 0: none)")
-    v.add_argument("--num-blocks", type=int, help="KV pool size in blocks (default: as for demo)")
-    v.add_argument("--max-model-len", type=int, help="longest request in tokens (default 256 tiny, 512 real)")
-    v.add_argument("--max-requests", type=int, help="requests served at once (default 8)")
-    v.add_argument("--token-budget", type=int, help="tokens computed per step (default 64)")
+    _pool_options(v)
     v.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling (and a tiny model's weights)")
     _engine_options(v)
     v.set_defaults(func=_cmd_serve)
