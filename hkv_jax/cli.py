@@ -162,7 +162,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(f"hkv serve: {cfg.model}, {engine.layout.max_requests} requests at once of up to "
           f"{engine.layout.max_model_len} tokens; compiling the step programs ...", file=sys.stderr)
     host, port = server.start(args.host, args.port, warm=True)
-    print(f"hkv serve: http://{host}:{port} (POST /v1/completions, /v1/chat/completions; GET /v1/models); "
+    print(f"hkv serve: http://{host}:{port} (POST /v1/completions, /v1/chat/completions; GET /v1/models, /metrics); "
           "Ctrl-C stops", file=sys.stderr)
     try:
         while True:

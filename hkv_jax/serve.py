@@ -4,14 +4,18 @@ server (nothing more to install).
 - ``POST /v1/completions``: ``prompt`` (text, or a list of token ids), ``max_tokens`` (default 16),
   ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop`` (a string
   or a list of them), ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logprobs``
-  (how many likeliest tokens to list per generated token, at most the engine's ``max_top_logprobs``) and
-  ``stream`` (server-sent events, ``data: [DONE]`` last). The answer has ``choices[0]`` (``text``,
-  ``finish_reason``, ``logprobs``) and ``usage``. A client that goes away mid-stream is aborted.
+  (how many likeliest tokens to list per generated token, at most the engine's ``max_top_logprobs``),
+  ``n`` (choices per prompt, each its own engine request; with a ``seed``, choice ``i`` samples with
+  ``seed + i``, as vLLM's) and ``stream`` (server-sent events, ``data: [DONE]`` last; ``stream_options:
+  {"include_usage": true}`` adds a last event with the usage). The answer has ``choices`` (``index``,
+  ``text``, ``finish_reason``, ``logprobs``) and ``usage``. A client that goes away mid-stream is aborted.
 - ``POST /v1/chat/completions``: the same with ``messages`` (in Gemma's turn format, ``gemma_chat``)
   instead of ``prompt``, ``max_completion_tokens`` or ``max_tokens`` (default: up to the engine's
   ``max_model_len``), and ``logprobs: true`` with ``top_logprobs``; the answer's ``choices[0].message``
   (a stream's ``delta``) holds the text.
-- ``GET /v1/models``, ``GET /health``.
+- ``GET /v1/models``, ``GET /health``, and ``GET /metrics``: Prometheus' text format (``hkv_`` gauges of
+  the requests running and waiting and of the KV pool's free blocks, counters of tokens, prefix-cache
+  hits, preemptions, steps and finished requests by finish reason).
 
 One thread owns the engine. Between steps it takes the requests the HTTP threads queued (and the aborts
 of clients that went away); it steps while there is work and hands each request's new text to the
@@ -27,13 +31,13 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from hkv_jax.engine import Engine
+from hkv_jax.engine import Engine, Stats
 from hkv_jax.models.tokenizer import gemma_chat
 
 # Request fields given to ``Engine.add_request`` as they are (absent: the engine's value).
 _SAMPLING = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
 # OpenAI fields with one value only here.
-_FIXED = {"n": 1, "best_of": 1, "echo": False, "suffix": None}
+_FIXED = {"echo": False, "suffix": None}
 
 
 class BadRequest(ValueError):
@@ -44,8 +48,9 @@ class BadRequest(ValueError):
 class _Served:
     """What the engine thread keeps of one request it serves."""
 
-    replies: queue.Queue  # its updates, for the HTTP thread; the last one has "finish_reason" or "error"
+    replies: queue.Queue  # updates of the HTTP request's choices; a choice's last has "finish_reason"
     top: int | None       # likeliest tokens listed per token; None: no log-probabilities
+    index: int = 0        # its choice
     shown: int = 0        # characters of its text sent
     sent: int = 0         # tokens whose log-probabilities were sent
 
@@ -60,6 +65,9 @@ class CompletionServer:
             engine.detokenize = codec.decode
         self._inbox: queue.Queue = queue.Queue()
         self._served: dict[int, _Served] = {}
+        # Counted by the engine thread for /metrics: tokens of the prompts taken and of the text sent,
+        # finished choices per finish reason.
+        self._counts = {"prompt": 0, "generation": 0, "finished": {}}
         self._stopping = threading.Event()
         self._http: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
@@ -71,6 +79,7 @@ class CompletionServer:
         self._http.daemon_threads = True
         if warm:
             warm_up(self.engine)
+            self.engine.stats = Stats()  # the metrics count what clients asked for, not the warm-up
         self._threads = [threading.Thread(target=self._run_engine, name="hkv-engine", daemon=True),
                          threading.Thread(target=self._http.serve_forever, name="hkv-http", daemon=True)]
         for t in self._threads:
@@ -90,14 +99,22 @@ class CompletionServer:
 
     def submit(self, body, chat: bool = False) -> tuple[queue.Queue, int | None]:
         """Queue the completion request ``body`` (parsed JSON; ``chat``: a chat completion). Returns the
-        queue its updates arrive on (first ``{"id": rid, "prompt_tokens": n}`` or ``{"error": message}``)
-        and how many likeliest tokens it lists (None: no log-probabilities). ``ValueError`` (``BadRequest``)
-        for malformed fields."""
+        queue its updates arrive on (first ``{"ids": [request id per choice], "prompt_tokens": n}`` or
+        ``{"error": message}``, then each choice's pieces of text with its ``index``) and how many likeliest
+        tokens it lists (None: no log-probabilities). ``ValueError`` (``BadRequest``) for malformed fields."""
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
         for name, value in _FIXED.items():
             if body.get(name, value) != value:
                 raise BadRequest(f"{name} must be {json.dumps(value)} here")
+        n, most = body.get("n", 1), self.engine.layout.max_requests
+        if type(n) is not int or not 1 <= n <= most:  # every choice runs at once
+            raise BadRequest(f"n must be an integer in [1, {most}] (the requests served at once), got {n!r}")
+        if body.get("best_of", n) != n:
+            raise BadRequest("best_of must equal n here")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict) or type(options.get("include_usage", False)) is not bool:
+            raise BadRequest('stream_options must be an object like {"include_usage": true}')
         prompt = body.get("prompt")
         if chat:
             ids = self.codec.encode(gemma_chat(body.get("messages")))
@@ -131,12 +148,18 @@ class CompletionServer:
                    "logprobs": top is not None, "top_logprobs": top or 0,
                    **{name: body[name] for name in _SAMPLING if name in body}}
         replies: queue.Queue = queue.Queue()
-        self._inbox.put(("add", request, _Served(replies, top)))
+        self._inbox.put(("add", request, n, replies, top))
         return replies, top
 
-    def abort(self, rid: int) -> None:
-        """End request ``rid`` (its client went away)."""
-        self._inbox.put(("abort", rid))
+    def abort(self, rids: list[int]) -> None:
+        """End the requests ``rids`` (their client went away)."""
+        self._inbox.put(("abort", rids))
+
+    def metrics(self) -> str:
+        """The engine's gauges and counters in Prometheus' text format, read between two steps."""
+        answer: queue.Queue = queue.Queue()
+        self._inbox.put(("metrics", answer))
+        return answer.get()
 
     # --- the engine thread -----------------------------------------------------------------
 
@@ -166,34 +189,80 @@ class CompletionServer:
                     self._update(rid)
 
     def _take(self, item) -> None:
-        """Apply one queued item: a new request or an abort."""
+        """Apply one queued item: a new request (its ``n`` choices), an abort, or a metrics read."""
+        if item[0] == "metrics":
+            item[1].put(self._metrics())
+            return
         if item[0] == "abort":
-            if self._served.pop(item[1], None) is not None:
-                self.engine.abort(item[1])
-                self.engine.forget(item[1])
+            running = [rid for rid in item[1] if self._served.pop(rid, None) is not None]
+            self._drop(running)
+            finished = self._counts["finished"]
+            finished["abort"] = finished.get("abort", 0) + len(running)
             return
-        _, request, served = item
+        _, request, n, replies, top = item
+        prompt, new, seed = request.pop("prompt"), request.pop("max_new_tokens"), request.pop("seed", None)
+        rids = []
         try:
-            rid = self.engine.add_request(request.pop("prompt"), request.pop("max_new_tokens"), **request)
+            for i in range(n):
+                rids.append(self.engine.add_request(prompt, new, seed=None if seed is None else (seed + i) % 2**31,
+                                                    **request))
         except Exception as e:  # noqa: BLE001 - a request the engine refuses (bad values): its client hears why
-            served.replies.put({"error": str(e)})
+            self._drop(rids)
+            replies.put({"error": str(e)})
             return
-        self._served[rid] = served
-        served.replies.put({"id": rid, "prompt_tokens": self.engine.requests[rid].prompt_len})
+        for i, rid in enumerate(rids):
+            self._served[rid] = _Served(replies, top, i)
+        self._counts["prompt"] += n * len(prompt)
+        replies.put({"ids": rids, "prompt_tokens": len(prompt)})
+
+    def _drop(self, rids: list[int]) -> None:
+        """Abort and forget engine requests no client waits for."""
+        for rid in rids:
+            self.engine.abort(rid)
+            self.engine.forget(rid)
 
     def _update(self, rid: int) -> None:
         """Send request ``rid``'s new text (and log-probabilities) to its HTTP thread."""
         served, r = self._served[rid], self.engine.requests[rid]
         text = self.engine.text(rid, stable=True)
-        update = {"text": text[served.shown:]}
+        update = {"index": served.index, "text": text[served.shown:]}
         served.shown = max(served.shown, len(text))
         if served.top is not None:
             update["logprobs"] = self._logprobs(served, r)
         if r.done:
             update |= {"finish_reason": r.finish_reason, "completion_tokens": len(r.generated)}
+            finished = self._counts["finished"]
+            finished[r.finish_reason] = finished.get(r.finish_reason, 0) + 1
+            self._counts["generation"] += len(r.generated)
             del self._served[rid]
             self.engine.forget(rid)
         served.replies.put(update)
+
+    def _metrics(self) -> str:
+        engine, stats, counts = self.engine, self.engine.stats, self._counts
+        blocks = engine.config.num_blocks - 1  # the null block holds nothing
+        free = int(engine.state.alloc.bp.pool.num_free)  # cached blocks no request holds count as free
+        rows = [("requests_running", "gauge", "Requests holding a slot.", len(engine.running)),
+                ("requests_waiting", "gauge", "Requests waiting for a slot.", len(engine.waiting)),
+                ("kv_blocks", "gauge", "Blocks of the KV pool (the null block left out).", blocks),
+                ("kv_blocks_free", "gauge", "Blocks no request holds (prefix-cached ones included).", free),
+                ("prompt_tokens_total", "counter", "Prompt tokens of the choices taken.", counts["prompt"]),
+                ("generation_tokens_total", "counter", "Tokens generated by finished choices.", counts["generation"]),
+                ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.",
+                 stats.cache_hit_tokens),
+                ("computed_tokens_total", "counter", "Tokens the model computed (recomputed ones included).",
+                 stats.tokens_computed),
+                ("preemptions_total", "counter", "Requests preempted for want of blocks.", stats.preemptions),
+                ("steps_total", "counter", "Engine steps.", stats.steps),
+                ("step_seconds_total", "counter", "Seconds spent in engine steps.", stats.seconds)]
+        lines = []
+        for name, kind, text, value in rows:
+            lines += [f"# HELP hkv_{name} {text}", f"# TYPE hkv_{name} {kind}", f"hkv_{name} {value}"]
+        lines += ["# HELP hkv_requests_finished_total Choices finished, by finish reason.",
+                  "# TYPE hkv_requests_finished_total counter"]
+        lines += [f'hkv_requests_finished_total{{finish_reason="{reason}"}} {count}'
+                  for reason, count in sorted(counts["finished"].items())]
+        return "\n".join(lines) + "\n"
 
     def _logprobs(self, served: _Served, r) -> list:
         """``(text, log-probability, [(text, log-probability)] of the likeliest)`` per token of ``r`` not
@@ -206,14 +275,16 @@ class CompletionServer:
 
 
 class _Answer:
-    """OpenAI's answer objects for one request: a completion, or a chat completion (``chat``)."""
+    """OpenAI's answer objects for one request of ``n`` choices: a completion, or a chat completion
+    (``chat``)."""
 
-    def __init__(self, chat: bool, rid: int, model: str, top: int | None):
-        self.chat, self.top, self.offset = chat, top, 0
+    def __init__(self, chat: bool, rid: int, model: str, top: int | None, n: int):
+        self.chat, self.top, self.offsets = chat, top, [0] * n  # each choice's text offset, for its logprobs
         self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "created": int(time.time()), "model": model}
 
-    def logprobs(self, entries: list | None):
-        """The ``logprobs`` object of ``entries`` (``CompletionServer._logprobs``), in this kind's format."""
+    def logprobs(self, entries: list | None, index: int):
+        """The ``logprobs`` object of choice ``index``'s ``entries`` (``CompletionServer._logprobs``), in this
+        kind's format."""
         if self.top is None or entries is None:
             return None
         if self.chat:
@@ -223,28 +294,36 @@ class _Answer:
             return {"content": [{**item(t, v), "top_logprobs": [item(*x) for x in top]} for t, v, top in entries]}
         offsets = []
         for t, _, _ in entries:
-            offsets.append(self.offset)
-            self.offset += len(t)
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(t)
         # Tokens with the same text (bytes of an incomplete character) share a key: the likeliest keeps it.
         return {"tokens": [t for t, _, _ in entries], "token_logprobs": [v for _, v, _ in entries],
                 "top_logprobs": [dict(reversed(top)) for _, _, top in entries] if self.top else None,
                 "text_offset": offsets}
 
-    def whole(self, text: str, entries: list | None, finish: str, usage: dict) -> dict:
-        """The answer to a request that does not stream."""
-        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
-                "choices": [{"index": 0, **body, "logprobs": self.logprobs(entries), "finish_reason": finish}],
-                "usage": usage}
+    def whole(self, choices: list[tuple[str, list, str]], usage: dict) -> dict:
+        """The answer to a request that does not stream: ``(text, entries, finish reason)`` per choice."""
+        def choice(i, text, entries, finish):
+            body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            return {"index": i, **body, "logprobs": self.logprobs(entries, i), "finish_reason": finish}
 
-    def chunk(self, text: str, entries: list | None, finish: str | None, first: bool = False) -> dict:
-        """One event of a stream (a chat stream's first names the role)."""
+        return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
+                "choices": [choice(i, *c) for i, c in enumerate(choices)], "usage": usage}
+
+    def chunk(self, index: int, text: str, entries: list | None, finish: str | None, first: bool = False) -> dict:
+        """One event of a stream, for choice ``index`` (a chat stream's first event per choice names the role)."""
         if self.chat:
             body = {"delta": ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})}
         else:
             body = {"text": text}
         return {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "choices": [{"index": 0, **body, "logprobs": self.logprobs(entries), "finish_reason": finish}]}
+                "choices": [{"index": index, **body, "logprobs": self.logprobs(entries, index),
+                             "finish_reason": finish}]}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        """A stream's last event when the client asked for the usage (``stream_options``)."""
+        return {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "choices": [], "usage": usage}
 
 
 def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
@@ -271,6 +350,13 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
         def do_GET(self):  # noqa: N802 - http.server's name
             if self.path == "/health":
                 self._json(200, {"status": "ok"})
+            elif self.path == "/metrics":
+                body = server.metrics().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
             elif self.path == "/v1/models":
                 self._json(200, {"object": "list", "data": [{
                     "id": server.model_name, "object": "model", "owned_by": "hkv-jax",
@@ -293,57 +379,71 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
             if "error" in first:
                 self._error(400, first["error"])
                 return
-            answer = _Answer(chat, first["id"], server.model_name, top)
+            answer = _Answer(chat, first["ids"][0], server.model_name, top, len(first["ids"]))
             if body.get("stream"):
-                self._stream(first["id"], answer, replies)
+                usage = (body.get("stream_options") or {}).get("include_usage", False)
+                self._stream(first, answer, replies, usage)
             else:
                 self._whole(first, answer, replies)
 
         def _whole(self, first: dict, answer: _Answer, replies: queue.Queue) -> None:
-            text, entries = [], []
-            while True:
+            n = len(first["ids"])
+            texts, entries, finish = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+            generated = 0
+            while None in finish:
                 u = replies.get()
                 if "error" in u:
                     self._error(500, u["error"])
                     return
-                text.append(u["text"])
-                entries += u.get("logprobs", [])
+                i = u["index"]
+                texts[i].append(u["text"])
+                entries[i] += u.get("logprobs", [])
                 if "finish_reason" in u:
-                    break
-            n, m = first["prompt_tokens"], u["completion_tokens"]
-            usage = {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
-            self._json(200, answer.whole("".join(text), entries, u["finish_reason"], usage))
+                    finish[i] = u["finish_reason"]
+                    generated += u["completion_tokens"]
+            choices = [("".join(t), e, f) for t, e, f in zip(texts, entries, finish)]
+            self._json(200, answer.whole(choices, _usage(first["prompt_tokens"], generated)))
 
-        def _stream(self, rid: int, answer: _Answer, replies: queue.Queue) -> None:
+        def _stream(self, first: dict, answer: _Answer, replies: queue.Queue, usage: bool) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.send_header("Connection", "close")
             self.end_headers()
             self.close_connection = True
+            left, generated = len(first["ids"]), 0
             try:
                 if answer.chat:
-                    self._event(answer.chunk("", None, None, first=True))
-                while True:
+                    for i in range(left):
+                        self._event(answer.chunk(i, "", None, None, first=True))
+                while left:
                     u = replies.get()
                     if "error" in u:
                         self._event({"error": {"message": u["error"], "type": "server_error"}})
                         break
                     done = "finish_reason" in u
                     if u["text"] or u.get("logprobs") or done:
-                        self._event(answer.chunk(u["text"], u.get("logprobs"), u.get("finish_reason")))
+                        self._event(answer.chunk(u["index"], u["text"], u.get("logprobs"), u.get("finish_reason")))
                     if done:
-                        break
+                        left -= 1
+                        generated += u["completion_tokens"]
+                if usage and not left:
+                    self._event(answer.usage_chunk(_usage(first["prompt_tokens"], generated)))
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
-                server.abort(rid)
+                server.abort(first["ids"])
 
         def _event(self, obj) -> None:
             self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
             self.wfile.flush()
 
     return Handler
+
+
+def _usage(prompt_tokens: int, generated: int) -> dict:
+    """OpenAI's ``usage`` object (the prompt counted once, however many choices)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
 
 
 def warm_up(engine: Engine) -> None:

@@ -34,7 +34,7 @@ def server():
 
 
 def request(server, path: str, body=None, raw: bytes | None = None) -> tuple[int, object]:
-    """``(status, parsed JSON)``; a stream's answer as the list of its ``data:`` payloads."""
+    """``(status, parsed JSON)``; a stream's answer as the list of its ``data:`` payloads; /metrics as text."""
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(server.url + path, data=data, headers={"Content-Type": "application/json"})
     try:
@@ -43,6 +43,8 @@ def request(server, path: str, body=None, raw: bytes | None = None) -> tuple[int
             status = resp.status
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+    if path == "/metrics":
+        return status, text
     if text.startswith("data: "):
         return status, [p if p == "[DONE]" else json.loads(p) for p in
                         (line[len("data: "):] for line in text.split("\n\n") if line)]
@@ -95,6 +97,52 @@ def test_completions_equal_the_engines_own_served_together_and_streamed(server):
     assert not server.engine.requests  # finished requests are forgotten
 
 
+def test_n_choices_sample_with_consecutive_seeds_and_metrics_count_them(server):
+    """``n`` choices of a seeded request are the engine's answers for seeds ``seed`` and ``seed + 1``, whole
+    or streamed (with the usage last); /metrics counts their tokens and finish reasons."""
+    def metrics() -> dict[str, float]:
+        status, text = request(server, "/metrics")
+        assert status == 200
+        lines = text.splitlines()
+        values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}
+        for name in values:  # every metric is described and typed
+            base = name.split("{")[0]
+            assert f"# TYPE {base} counter" in lines or f"# TYPE {base} gauge" in lines, name
+        return values
+
+    before = metrics()
+    assert before["hkv_kv_blocks"] == CFG.num_blocks - 1 and before["hkv_requests_running"] == 0
+    body = {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0.9, "seed": 3, "n": 2, "logprobs": 1}
+    status, got = request(server, "/v1/completions", body)
+    assert status == 200 and [c["index"] for c in got["choices"]] == [0, 1]
+    prompt_tokens = len(CODEC.encode(PROMPTS[2]))
+    for choice, seed in zip(got["choices"], (3, 4)):
+        text, tokens, logprobs = engine_answer(PROMPTS[2], 10, temperature=0.9, seed=seed)
+        assert choice["text"] == text and choice["finish_reason"] == "length"
+        np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], logprobs, atol=1e-5, rtol=0)
+        assert choice["logprobs"]["text_offset"][0] == 0
+    assert got["choices"][0]["text"] != got["choices"][1]["text"]
+    assert got["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 20, "total_tokens": prompt_tokens + 20}
+    status, events = request(server, "/v1/completions", {**body, "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+    assert status == 200 and events[-1] == "[DONE]" and events[-2]["choices"] == []
+    assert events[-2]["usage"] == got["usage"]
+    for i in (0, 1):
+        pieces = [e["choices"][0] for e in events[:-2] if e["choices"][0]["index"] == i]
+        assert "".join(p["text"] for p in pieces) == got["choices"][i]["text"]
+        assert pieces[-1]["finish_reason"] == "length"
+    while server.engine.has_work:  # the step that frees the last blocks
+        time.sleep(0.05)
+    after = metrics()
+    assert after["hkv_prompt_tokens_total"] - before["hkv_prompt_tokens_total"] == 4 * prompt_tokens
+    assert after["hkv_generation_tokens_total"] - before["hkv_generation_tokens_total"] == 40
+    length = 'hkv_requests_finished_total{finish_reason="length"}'
+    assert after[length] - before.get(length, 0) == 4
+    assert after["hkv_steps_total"] > before["hkv_steps_total"] and after["hkv_requests_running"] == 0
+    assert after["hkv_kv_blocks_free"] == CFG.num_blocks - 1  # every block back (cached ones count as free)
+    assert after["hkv_prefix_cache_hit_tokens_total"] > before["hkv_prefix_cache_hit_tokens_total"]  # the 2nd request
+
+
 def test_a_stop_string_ends_the_text_before_it_streamed_or_not(server):
     text, _, _ = engine_answer(PROMPTS[1], 16, temperature=0.9, seed=7)
     at = next(i for i in range(2, len(text) - 2) if "\ufffd" not in text[i:i + 2] and text.find(text[i:i + 2]) == i)
@@ -143,7 +191,10 @@ def test_bad_requests_get_400_and_the_server_goes_on(server):
                           ({"prompt": "", "max_tokens": 4}, "prompt must be a non-empty string"),
                           ({"prompt": "hi", "temperature": -1}, "temperature must be"),
                           ({"prompt": "hi", "logprobs": 3}, "logprobs must be an integer in [0, 2]"),
-                          ({"prompt": "hi", "n": 2}, "n must be 1 here"),
+                          ({"prompt": "hi", "n": 5}, "n must be an integer in [1, 4]"),
+                          ({"prompt": "hi", "n": 2, "best_of": 3}, "best_of must equal n"),
+                          ({"prompt": "hi", "echo": True}, "echo must be false here"),
+                          ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "stream_options must be"),
                           ({"prompt": "hi", "stop": [""]}, "stop_strings must be non-empty"),
                           ({"prompt": long_prompt, "max_tokens": 10}, "exceeds max_model_len 96"),
                           ([1, 2], "the body must be a JSON object")):
@@ -174,3 +225,4 @@ def test_a_client_that_leaves_mid_stream_is_aborted(server):
         assert time.time() < deadline, "the request was not aborted"
         time.sleep(0.05)
     assert not server.engine.requests and server.engine.stats.generated - generated < 90
+    assert 'hkv_requests_finished_total{finish_reason="abort"} 1' in request(server, "/metrics")[1]
