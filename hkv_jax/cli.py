@@ -153,11 +153,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from hkv_jax.models.tokenizer import ByteCodec
     from hkv_jax.serve import CompletionServer
 
-    if not 0 <= args.port < 65536 or args.max_logprobs < 0:
-        raise CliError("--port must be in [0, 65536) and --max-logprobs >= 0")
+    if not 0 <= args.port < 65536 or args.max_logprobs < 0 or args.max_logit_bias < 0:
+        raise CliError("--port must be in [0, 65536), --max-logprobs and --max-logit-bias >= 0")
     cfg = _demo_config(args)
     use_compilation_cache()
-    engine, codec = build_engine(cfg, max_top_logprobs=args.max_logprobs)
+    engine, codec = build_engine(cfg, max_top_logprobs=args.max_logprobs, max_logit_bias=args.max_logit_bias)
     server = CompletionServer(engine, codec or ByteCodec(), cfg.model)
     print(f"hkv serve: {cfg.model}, {engine.layout.max_requests} requests at once of up to "
           f"{engine.layout.max_model_len} tokens; compiling the step programs ...", file=sys.stderr)
@@ -260,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
     v.add_argument("--max-logprobs", type=int, default=5,
                    help="most likeliest tokens a request may ask for (its logprobs; default 5, 0: none)")
+    v.add_argument("--max-logit-bias", type=int, default=16,
+                   help="most logit_bias entries a request may carry, plus one per EOS id under min_tokens "
+                        "(default 16, 0: none)")
     _pool_options(v)
     v.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling (and a tiny model's weights)")
     _engine_options(v)

@@ -5,13 +5,15 @@ server (nothing more to install).
   ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop`` (a string
   or a list of them), ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logprobs``
   (how many likeliest tokens to list per generated token, at most the engine's ``max_top_logprobs``),
-  ``n`` (choices per prompt, each its own engine request; with a ``seed``, choice ``i`` samples with
+  ``logit_bias`` (token id -> value in [-100, 100], at most the engine's ``max_logit_bias`` entries),
+  ``min_tokens`` (vLLM's: no stop before that many tokens; each EOS id takes a bias entry), ``n``
+  (choices per prompt, each its own engine request; with a ``seed``, choice ``i`` samples with
   ``seed + i``, as vLLM's) and ``stream`` (server-sent events, ``data: [DONE]`` last; ``stream_options:
   {"include_usage": true}`` adds a last event with the usage). The answer has ``choices`` (``index``,
   ``text``, ``finish_reason``, ``logprobs``) and ``usage``. A client that goes away mid-stream is aborted.
 - ``POST /v1/chat/completions``: the same with ``messages`` (in Gemma's turn format, ``gemma_chat``)
   instead of ``prompt``, ``max_completion_tokens`` or ``max_tokens`` (default: up to the engine's
-  ``max_model_len``), and ``logprobs: true`` with ``top_logprobs``; the answer's ``choices[0].message``
+  ``max_model_len``), and ``logprobs: true`` with ``top_logprobs``; each answer choice's ``message``
   (a stream's ``delta``) holds the text.
 - ``GET /v1/models``, ``GET /health``, and ``GET /metrics``: Prometheus' text format (``hkv_`` gauges of
   the requests running and waiting and of the KV pool's free blocks, counters of tokens, prefix-cache
@@ -143,7 +145,13 @@ class CompletionServer:
             top, name = body.get("logprobs"), "logprobs"
         if top is not None and (type(top) is not int or not 0 <= top <= self.engine.max_top_logprobs):
             raise BadRequest(f"{name} must be an integer in [0, {self.engine.max_top_logprobs}], got {top!r}")
+        bias = body.get("logit_bias") or {}
+        try:  # JSON object keys are strings
+            bias = {int(t): v for t, v in bias.items()}
+        except (AttributeError, ValueError):
+            raise BadRequest("logit_bias must be an object of token ids to values") from None
         request = {"prompt": ids, "max_new_tokens": max_tokens, "stop": tuple(self.codec.eos_ids),
+                   "logit_bias": bias, "min_tokens": body.get("min_tokens", 0),
                    "stop_strings": tuple(stop), "temperature": body.get("temperature", 1.0),
                    "logprobs": top is not None, "top_logprobs": top or 0,
                    **{name: body[name] for name in _SAMPLING if name in body}}

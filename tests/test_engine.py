@@ -28,9 +28,11 @@ DEFAULT_BUCKETS = {"tiny-gptoss"}
 # tiny-gptoss runs the portable Pallas kernels (the GPU path's code) in interpret mode; the others run the
 # dense jnp reference attention.
 IMPL = {"tiny-gptoss": "triton_interpret"}
-# tiny-llama4's engines report the 3 likeliest tokens of every row (``max_top_logprobs``): its parity run
-# carries the extra report rows, and the log-probability test shares its compile.
+# tiny-llama4's engines report the 3 likeliest tokens of every row (``max_top_logprobs``) and carry 4
+# logit-bias entries per request (``max_logit_bias``): its parity run carries the extra report rows and
+# plan words, and the log-probability and logit-bias tests share its compile.
 MAX_TOP_LOGPROBS = {"tiny-llama4": 3}
+MAX_LOGIT_BIAS = {"tiny-llama4": 4}
 # With prefix caching, tiny-jamba runs under the min-waste planner: each Mamba state spans 2 pages (the
 # vllm policy's one-page states run without caching here, and in every replay trace).
 POLICY = {("tiny-jamba", True): "min-waste"}
@@ -73,7 +75,8 @@ def test_engine_generates_the_dense_models_tokens(name, prefix_caching):
     eng = Engine(model, num_blocks=PARITY_BLOCKS[name, prefix_caching], block_size=8, max_requests=4,
                  max_model_len=MAX_LEN, token_budget=32, token_buckets=None if name in DEFAULT_BUCKETS else (32,),
                  impl=IMPL.get(name, "reference"), prefix_caching=prefix_caching,
-                 policy=POLICY.get((name, prefix_caching), "vllm"), max_top_logprobs=MAX_TOP_LOGPROBS.get(name, 0))
+                 policy=POLICY.get((name, prefix_caching), "vllm"), max_top_logprobs=MAX_TOP_LOGPROBS.get(name, 0),
+                 max_logit_bias=MAX_LOGIT_BIAS.get(name, 0))
     prompts = workload()
     new = NEW_TOKENS.get(name, 6)
     ids = [eng.add_request(p, new) for p in prompts]
@@ -164,7 +167,8 @@ def run_tokens(eng: Engine) -> dict[int, list[int]]:
 
 def llama4_engine(seed: int, **kwargs) -> Engine:
     """tiny-llama4 at its parity test's sizes (``SAME_SIZES``: one compile for the tests of its group)."""
-    kwargs = {"max_top_logprobs": MAX_TOP_LOGPROBS["tiny-llama4"], **kwargs}
+    kwargs = {"max_top_logprobs": MAX_TOP_LOGPROBS["tiny-llama4"], "max_logit_bias": MAX_LOGIT_BIAS["tiny-llama4"],
+              **kwargs}
     return Engine(tiny("tiny-llama4"), num_blocks=PARITY_BLOCKS["tiny-llama4", True], block_size=8,
                   max_requests=4, max_model_len=MAX_LEN, token_budget=32, token_buckets=(32,), impl="reference",
                   seed=seed, **kwargs)
@@ -311,13 +315,19 @@ def test_requests_sample_with_their_own_temperature_and_top_p():
 
 
 def dense_penalized(model: TinyLM, prompt: list[int], n: int, repetition: float = 1.0, presence: float = 0.0,
-                    frequency: float = 0.0) -> list[int]:
-    """Greedy tokens of the uncached model under vLLM's penalties, applied in numpy."""
+                    frequency: float = 0.0, bias: dict[int, float] | None = None, masked: tuple[int, ...] = (),
+                    min_tokens: int = 0) -> list[int]:
+    """Greedy tokens of the uncached model under a logit ``bias`` and vLLM's penalties, applied in numpy
+    in vLLM's order; the ``masked`` tokens are left out of the first ``min_tokens``."""
     dense = jax.jit(model.dense)
     toks = list(prompt)
     for _ in range(n):
         row = np.asarray(dense(jnp.asarray(toks + [0] * (MAX_LEN - len(toks))))[len(toks) - 1]).astype(np.float64)
         out = toks[len(prompt):]
+        for t, v in (bias or {}).items():
+            row[t] += v
+        if len(out) < min_tokens:
+            row[list(masked)] = -np.inf
         for t in set(toks):
             row[t] = row[t] / repetition if row[t] > 0 else row[t] * repetition
         for t in set(out):
@@ -486,6 +496,53 @@ def test_stop_strings_end_a_request_inside_its_text_and_finish_reasons_say_why()
         plain.add_request(prompts[0], 2, stop_strings="ab")
     with pytest.raises(ValueError, match="detokenize"):
         plain.text(plain.add_request(prompts[0], 2))
+
+
+@SAME_SIZES["tiny-llama4"]
+def test_logit_bias_and_min_tokens_steer_greedy_decoding_as_on_the_dense_model():
+    """In one batch: a request with logit biases, one whose stop token (its first greedy token) is masked
+    for its first 3 tokens (``min_tokens``), one with a bias under a repetition penalty (bias first, as
+    vLLM), and a plain one, each equal to the dense model's greedy tokens under the same rules in
+    numpy, through the decode-only record. Then a stop string found in the first ``min_tokens`` tokens'
+    text does not end a request."""
+    model = tiny("tiny-llama4")
+    eng = llama4_engine(seed=0, detokenize=two_letters)
+    prompts = [p[-10:] for p in workload(8)]  # four different prompts
+    greedy = [dense_greedy(model, p, 8)[0] for p in prompts]
+    bias = {greedy[0][0]: -5.0, 7: 3.0, 11: 2.5}
+    stop = greedy[3][0]
+    ids = [eng.add_request(prompts[0], 8, logit_bias=bias),
+           eng.add_request(prompts[3], 8, stop=(stop,), min_tokens=3),
+           eng.add_request(prompts[2], 8, repetition_penalty=1.5, logit_bias={greedy[2][1]: 4.0}),
+           eng.add_request(prompts[1], 8)]
+    out = eng.run()
+    assert eng.stats.array_steps > 0
+    assert out[ids[0]] == dense_penalized(model, prompts[0], 8, bias=bias) != greedy[0]
+    # Its greedy tokens repeat the stop token; masked, the model picks another until the 4th token.
+    want = dense_penalized(model, prompts[3], 8, masked=(stop,), min_tokens=3)
+    end = want.index(stop) + 1
+    assert out[ids[1]] == want[:end] and end == 4 and eng.requests[ids[1]].finish_reason == "stop"
+    assert out[ids[2]] == dense_penalized(model, prompts[2], 8, repetition=1.5, bias={greedy[2][1]: 4.0})
+    assert out[ids[3]] == greedy[1]  # the other rows' entries leave it alone
+    # Under min_tokens=2 a stop string counts only where it ends after the first 2 tokens' 4 letters.
+    word = two_letters(greedy[1][:1])
+    early = eng.add_request(prompts[1], 8, stop_strings=[word])
+    late = eng.add_request(prompts[1], 8, stop_strings=[word], min_tokens=2)
+    eng.run()
+    text = two_letters(greedy[1])
+    assert eng.text(early) == "" and eng.requests[early].generated == greedy[1][:1]
+    at = text.find(word, 3)  # its tokens repeat one id: at 4, in the third token
+    assert eng.text(late) == text[:at] and eng.requests[late].generated == greedy[1][:(at + len(word) + 1) // 2]
+    for bad, match in (({"logit_bias": {3: 101.0}}, "to values in \\[-100, 100\\]"),
+                       ({"logit_bias": {256: 1.0}}, "logit_bias maps tokens in \\[0, 256\\)"),
+                       ({"logit_bias": [(3, 1.0)]}, "logit_bias must be a dict"),
+                       ({"logit_bias": {1: 1.0, 2: 1.0, 3: 1.0}, "min_tokens": 1, "stop": (5, 6)},
+                        "need 5 bias entries"),
+                       ({"min_tokens": 9}, "min_tokens must be an integer in \\[0, max_new_tokens\\]")):
+        with pytest.raises(ValueError, match=match):
+            eng.add_request(prompts[0], 8, **bad)
+    with pytest.raises(ValueError, match="max_logit_bias 0"):
+        llama4_engine(seed=0, max_logit_bias=0).add_request(prompts[0], 8, logit_bias={1: 1.0})
 
 
 def test_bad_requests_are_refused_with_clear_errors():

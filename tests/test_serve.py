@@ -20,12 +20,13 @@ pytestmark = pytest.mark.xdist_group("serve")  # one worker: one server, one com
 
 CFG = DemoConfig(model="tiny-gptoss", num_blocks=64, max_model_len=96, max_requests=4, token_budget=32)
 CODEC = ByteCodec()
+OPTIONS = {"max_top_logprobs": 2, "max_logit_bias": 2}  # the server's engine and engine_answer's: one compile
 PROMPTS = ["Hello, hybrid KV cache!", "Paged attention, served over HTTP.", "A third prompt, longer than the others."]
 
 
 @pytest.fixture(scope="module")
 def server():
-    engine, _ = build_engine(CFG, max_top_logprobs=2)
+    engine, _ = build_engine(CFG, **OPTIONS)
     served = CompletionServer(engine, CODEC, "tiny-gptoss")
     host, port = served.start("127.0.0.1", 0)
     served.url = f"http://{host}:{port}"
@@ -53,7 +54,7 @@ def request(server, path: str, body=None, raw: bytes | None = None) -> tuple[int
 
 def engine_answer(prompt: str, n: int, **sampling) -> tuple[str, list[int], list[float]]:
     """What an engine of the same sizes generates for ``prompt`` on its own: text, tokens, log-probabilities."""
-    engine, _ = build_engine(CFG, max_top_logprobs=2, detokenize=CODEC.decode)
+    engine, _ = build_engine(CFG, **OPTIONS, detokenize=CODEC.decode)
     rid = engine.add_request(CODEC.encode(prompt), n, logprobs=True, **sampling)
     engine.run()
     r = engine.requests[rid]
@@ -195,6 +196,10 @@ def test_bad_requests_get_400_and_the_server_goes_on(server):
                           ({"prompt": "hi", "n": 2, "best_of": 3}, "best_of must equal n"),
                           ({"prompt": "hi", "echo": True}, "echo must be false here"),
                           ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "stream_options must be"),
+                          ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias must be an object of token ids"),
+                          ({"prompt": "hi", "logit_bias": {"65": 101}}, "to values in [-100, 100]"),
+                          ({"prompt": "hi", "logit_bias": {"65": 1, "66": 1, "67": 1}}, "max_logit_bias 2"),
+                          ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens must be an integer"),
                           ({"prompt": "hi", "stop": [""]}, "stop_strings must be non-empty"),
                           ({"prompt": long_prompt, "max_tokens": 10}, "exceeds max_model_len 96"),
                           ([1, 2], "the body must be a JSON object")):
@@ -207,6 +212,10 @@ def test_bad_requests_get_400_and_the_server_goes_on(server):
     assert status == 200 and got["data"][0]["id"] == "tiny-gptoss" and got["data"][0]["max_model_len"] == 96
     status, got = request(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0})
     assert status == 200 and got["usage"]["completion_tokens"] == 3
+    # A bias of 100 on "A" (byte 65) makes it the greedy token at every step; min_tokens passes through.
+    body = {"prompt": "hi", "max_tokens": 4, "temperature": 0, "logit_bias": {"65": 100}, "min_tokens": 4}
+    status, got = request(server, "/v1/completions", body)
+    assert status == 200 and got["choices"][0]["text"] == "AAAA", got
 
 
 def test_a_client_that_leaves_mid_stream_is_aborted(server):

@@ -155,6 +155,8 @@ class Request:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None     # its draws' seed (None: the engine's key)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) added to its logits before sampling
+    min_tokens: int = 0         # its stop tokens are masked, and stop strings not looked for, until it has these
     logprobs: list[float] | None = None  # each generated token's log-probability, if asked (``add_request``)
     num_top_logprobs: int = 0   # likeliest tokens listed per generated token (``add_request``)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token: (token, log-probability)
@@ -300,6 +302,11 @@ class Engine:
     ``max_top_logprobs``: the most likeliest tokens a request may ask to see, with their log-probabilities,
     per generated token (``add_request(..., top_logprobs=)``). 0 (the default) leaves that out of the
     step; ``N > 0`` makes every step find the ``N`` likeliest tokens of every row and read them back.
+
+    ``max_logit_bias``: the most logit-bias entries a request may carry (``add_request(..., logit_bias=,
+    min_tokens=)``: ``min_tokens`` takes one per stop token). 0 (the default) leaves them out of the
+    plan and the step; ``M > 0`` sends ``2M`` more words per request with each new plan, and steps where
+    some request has an entry add them to its logits.
     """
 
     def __init__(self, model, *, num_blocks: int, block_size: int = 16, max_requests: int = 8,
@@ -308,7 +315,7 @@ class Engine:
                  window_aware_eviction: bool = False, vectorised: bool = True,
                  token_buckets: tuple[int, ...] | None = None, mesh: jax.sharding.Mesh | None = None,
                  decode_steps: int = 1, detokenize: Callable[[list[int]], str] | None = None,
-                 max_top_logprobs: int = 0):
+                 max_top_logprobs: int = 0, max_logit_bias: int = 0):
         for name, value in (("token_budget", token_budget), ("max_requests", max_requests),
                             ("max_model_len", max_model_len), ("block_size", block_size),
                             ("decode_steps", decode_steps)):
@@ -316,6 +323,8 @@ class Engine:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not _integer(max_top_logprobs) or not 0 <= max_top_logprobs <= model.cfg.vocab_size:
             raise ValueError(f"max_top_logprobs must be an integer in [0, vocab_size], got {max_top_logprobs!r}")
+        if not _integer(max_logit_bias) or not 0 <= max_logit_bias <= model.cfg.vocab_size:
+            raise ValueError(f"max_logit_bias must be an integer in [0, vocab_size], got {max_logit_bias!r}")
         buckets = sorted(set(token_buckets or (min(max_requests, token_budget), token_budget)))
         if buckets[0] < 1 or buckets[-1] != token_budget:
             raise ValueError(f"token_buckets must be positive and end at token_budget {token_budget}, got {buckets}")
@@ -339,6 +348,7 @@ class Engine:
         self._align = any(self.layout.is_mamba(g) for g in range(self.layout.num_groups))
         self.token_budget = token_budget
         self.max_top_logprobs = max_top_logprobs
+        self.max_logit_bias = max_logit_bias
         self.statics = [StepStatic(graphdef, params_def, self.layout, b, impl, vectorised,
                                    top_logprobs=max_top_logprobs) for b in buckets]
         self._lean = [replace(s, lean=True) for s in self.statics]
@@ -387,7 +397,8 @@ class Engine:
                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                     min_p: float | None = None, repetition_penalty: float | None = None,
                     presence_penalty: float | None = None, frequency_penalty: float | None = None,
-                    seed: int | None = None, logprobs: bool = False, top_logprobs: int = 0) -> int:
+                    seed: int | None = None, logprobs: bool = False, top_logprobs: int = 0,
+                    logit_bias: dict[int, float] | None = None, min_tokens: int = 0) -> int:
         """Queue a request; returns its id. It ends after ``max_new_tokens``, at a token in ``stop`` (e.g.
         the model's EOS ids), or once the text of its generated tokens (``Engine(detokenize=)``) holds one
         of ``stop_strings``: it keeps the tokens up to that one, ``Request.stop_string`` names the string,
@@ -406,6 +417,12 @@ class Engine:
         ``top_logprobs`` likeliest tokens with theirs in ``Request.top_logprobs`` (likeliest first;
         implies ``logprobs``).
 
+        ``logit_bias`` (token -> value in [-100, 100], OpenAI's range) is added to its logits before the
+        penalties and the sampling (not to what ``logprobs`` reports). ``min_tokens``: it generates at
+        least this many tokens before a stop token can be sampled (vLLM's ``min_tokens``: they are
+        masked until then) and before its stop strings are looked for. Both take entries of the
+        engine's ``max_logit_bias``: one per bias, and one per stop token while ``min_tokens`` is set.
+
         Raises ``ValueError`` when it cannot fit ``max_model_len`` or for sampling values out of range."""
         prompt = [int(t) for t in prompt]
         if not prompt or max_new_tokens < 1:
@@ -423,6 +440,7 @@ class Engine:
                                      frequency_penalty=frequency_penalty)
         if not all(0 <= t < self.vocab_size for t in prompt):
             raise ValueError(f"prompt tokens must lie in [0, {self.vocab_size})")
+        bias = self._bias_entries(logit_bias, min_tokens, stop, max_new_tokens)
         if len(prompt) + max_new_tokens > self.layout.max_model_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"max_model_len {self.layout.max_model_len}")
@@ -431,9 +449,29 @@ class Engine:
         self._requests[rid] = Request(rid, prompt, max_new_tokens, stop=tuple(int(t) for t in stop),
                                       stop_strings=stop_strings, logprobs=[] if logprobs or top_logprobs else None,
                                       num_top_logprobs=top_logprobs, top_logprobs=[] if top_logprobs else None,
-                                      arrival_time=time.time(), **sampling)
+                                      logit_bias=bias, min_tokens=min_tokens, arrival_time=time.time(), **sampling)
         self.waiting.append(rid)
         return rid
+
+    def _bias_entries(self, logit_bias, min_tokens, stop, max_new_tokens: int) -> tuple[tuple[int, float], ...]:
+        """``add_request``'s ``logit_bias`` and ``min_tokens`` checked, as the request's bias entries (a stop
+        token under ``min_tokens``: -inf, which ``bias_logits`` lifts once it has that many tokens)."""
+        if not _integer(min_tokens) or not 0 <= min_tokens <= max_new_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens], got {min_tokens!r}")
+        if not isinstance(logit_bias, dict | None):
+            raise ValueError(f"logit_bias must be a dict of token -> bias, got {type(logit_bias).__name__}")
+        entries = []
+        for t, v in (logit_bias or {}).items():
+            if not _integer(t) or not 0 <= t < self.vocab_size or not _number(v) or not -100 <= v <= 100:
+                raise ValueError(f"logit_bias maps tokens in [0, {self.vocab_size}) to values in [-100, 100], "
+                                 f"got {t!r}: {v!r}")
+            entries.append((int(t), float(v)))
+        if min_tokens:
+            entries += [(int(t), float("-inf")) for t in dict.fromkeys(stop)]
+        if len(entries) > self.max_logit_bias:
+            raise ValueError(f"logit_bias and min_tokens need {len(entries)} bias entries (one per bias, one per "
+                             f"stop token under min_tokens); the engine has max_logit_bias {self.max_logit_bias}")
+        return tuple(entries)
 
     def text(self, rid: int, stable: bool = False) -> str:
         """The text of request ``rid``'s generated tokens (``detokenize``), up to its stop string if one
@@ -446,7 +484,7 @@ class Engine:
         r = self.requests[rid]
         text = self.detokenize(r.generated)
         if r.stop_string is not None:
-            return text[:text.find(r.stop_string)]
+            return text[:self._stop_strings_in(r, text)[r.stop_string]]
         if stable and not r.done:
             held = min(len(text) - len(text.rstrip("\ufffd")), 3) + max(map(len, r.stop_strings), default=1) - 1
             return text[:max(len(text) - held, 0)]
@@ -461,11 +499,18 @@ class Engine:
         tail = self.detokenize(r.generated[-4 * (max(map(len, r.stop_strings)) + 2):])
         if not any(s in tail for s in r.stop_strings):
             return False
-        text = self.detokenize(r.generated)
-        found = [s for s in r.stop_strings if s in text]
+        found = self._stop_strings_in(r, self.detokenize(r.generated))
         if found:
-            r.stop_string = min(found, key=text.find)
+            r.stop_string = min(found, key=found.get)
         return bool(found)
+
+    def _stop_strings_in(self, r: Request, text: str) -> dict[str, int]:
+        """The index in ``text`` of each of ``r``'s stop strings found there, first occurrence. Under
+        ``min_tokens`` only a string that ends after the text of its first ``min_tokens`` tokens counts,
+        as in vLLM, which looks for them only in the text that comes after."""
+        floor = len(self.detokenize(r.generated[:r.min_tokens])) if r.min_tokens else 0
+        at = {s: text.find(s, max(floor - len(s) + 1, 0)) for s in r.stop_strings}
+        return {s: i for s, i in at.items() if i >= 0}
 
     def abort(self, rid: int) -> bool:
         """End request ``rid`` now (its client went away): it leaves the queue or the batch with the tokens
@@ -575,15 +620,23 @@ class Engine:
         plan = StepPlan.pack(slots, want, **self._sampling([requests[rid] for rid in order], engine))
         return plan, self._changes(admit), order, admit, len(decoding), len(decoding) + len(chunked)
 
-    def _sampling(self, requests: list[Request], engine: dict) -> dict[str, np.ndarray]:
-        """Each of ``requests``' sampling values by ``SAMPLING`` name, ``[R]`` each: its own, else the
-        ``engine``'s (no seed: none), and its prompt's length; neutral (greedy) past them."""
+    def _sampling(self, requests: list[Request], engine: dict) -> dict:
+        """``StepPlan.pack``'s sampling arguments for ``requests``: each value by ``SAMPLING`` name, ``[R]``
+        each: its own, else the ``engine``'s (no seed: none), its prompt's length and ``min_tokens``;
+        neutral (greedy) past them. With ``max_logit_bias``, also their bias entries (``bias``)."""
         R, n = self.layout.max_requests, len(requests)
         columns = {}
         for name, dtype, off in SAMPLING:
             default = engine.get(name, off)
             columns[name] = np.full(R, off, dtype)
             columns[name][:n] = [default if (v := getattr(r, name)) is None else v for r in requests]
+        if self.max_logit_bias:
+            ids = np.full((R, self.max_logit_bias), -1, np.int32)
+            values = np.zeros((R, self.max_logit_bias), np.float32)
+            for i, r in enumerate(requests):
+                for j, (t, v) in enumerate(r.logit_bias):
+                    ids[i, j], values[i, j] = t, v
+            columns["bias"] = ids, values
         return columns
 
     def _changes(self, admit: list[int]) -> Changes | None:
@@ -711,8 +764,8 @@ class Engine:
                 if r.logprobs is not None:
                     _book_logprobs(r, report[None, 6:, i])
                 events.append((rid, tok))
-                if ((r.stop_strings and self._reached_stop_string(r)) or len(generated) >= r.max_new_tokens
-                        or tok in r.stop):  # Request.done
+                if ((r.stop_strings and len(generated) > r.min_tokens and self._reached_stop_string(r))
+                        or len(generated) >= r.max_new_tokens or tok in r.stop):  # Request.done
                     self.running.remove(rid)
                     self._to_free.append(r.slot)
                     r.slot, r.finished_time = -1, now
@@ -769,7 +822,7 @@ class Engine:
         host array itself costs a transfer per call, a large part of a lean step on CPU."""
         if self._sent is not None and self._sent[0] is plan.data:
             return self._sent[1]
-        self._sent = plan.data, StepPlan(_sender(self._placement)(plan.data))
+        self._sent = plan.data, replace(plan, data=_sender(self._placement)(plan.data))
         self.stats.host_to_device_bytes += plan.data.nbytes
         return self._sent[1]
 

@@ -12,8 +12,8 @@ The programs, each with the state donated:
   allocation, block caching), builds the attention metadata, runs the model's
   paged forward (KV write + attention for every group), computes logits only
   where a token is sampled, samples (greedy without a sort; temperature +
-  top-p, top-k, min-p; vLLM's penalties; per-request seeds), and appends the
-  sampled tokens.
+  top-p, top-k, min-p; vLLM's penalties; per-request seeds; logit biases and
+  ``min_tokens``), and appends the sampled tokens.
 - ``decode_steps(static, steps, params, state, plan, left, stops)`` runs up to
   ``steps`` decode steps of one plan in a ``while_loop`` (``Engine(decode_steps=K)``),
   stopping at the first step the host must look at.
@@ -36,7 +36,7 @@ statement the vectorised path is tested against. The host reads back one
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -80,41 +80,51 @@ class Changes:
 
 # Each entry's sampling in ``StepPlan.data``, after ``slots`` and ``want`` (``R`` int32 words each, float32
 # values as their bits): name, dtype, and the value that leaves it out (greedy, no cut, no seed, no
-# penalty). ``prompt_len`` tells the penalties which of a request's tokens are its prompt.
+# penalty). ``prompt_len`` tells the penalties which of a request's tokens are its prompt, and
+# ``min_tokens`` when the bias entries of value -inf (its stop tokens) stop applying.
 SAMPLING = (("temperature", np.float32, 0.0), ("top_p", np.float32, 1.0), ("top_k", np.int32, 0),
             ("min_p", np.float32, 0.0), ("seed", np.int32, -1), ("repetition_penalty", np.float32, 1.0),
             ("presence_penalty", np.float32, 0.0), ("frequency_penalty", np.float32, 0.0),
-            ("prompt_len", np.int32, 0))
+            ("prompt_len", np.int32, 0), ("min_tokens", np.int32, 0))
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepPlan:
-    """The host's decision for one step, packed in one array (one transfer): ``data: i32[11R]``.
+    """The host's decision for one step, packed in one array (one transfer): ``data: i32[(12 + 2M)R]``.
 
     ``slots`` (``data[:R]``): requests to run in order (-1: padding); ``want`` (``data[R:2R]``): tokens
     each (0: padding); then each entry's sampling (``SAMPLING``: temperature, 0 is greedy; top-p; top-k,
     0 is none; min-p; seed, -1 is none: it draws from the engine's key; the three penalties; the
-    prompt's length). The vectorised step wants decoding requests (``want == 1``, running) first, then
-    other running ones, then waiting ones.
+    prompt's length; min_tokens); then ``M = bias_slots`` logit-bias entries per request: their token
+    ids (``[M, R]``, -1: none) and values (``[M, R]``, float32 bits; -inf: a stop token masked until
+    the request has ``min_tokens`` tokens). The vectorised step wants decoding requests (``want == 1``,
+    running) first, then other running ones, then waiting ones.
     """
 
     data: jax.Array
+    bias_slots: int = field(default=0, metadata={"static": True})
 
     @staticmethod
-    def pack(slots: np.ndarray, want: np.ndarray, **sampling) -> "StepPlan":
+    def pack(slots: np.ndarray, want: np.ndarray, bias: tuple[np.ndarray, np.ndarray] | None = None,
+             **sampling) -> "StepPlan":
         """The plan of ``slots`` and ``want`` (``[R]`` each) on the host; ``sampling``: values of
-        ``SAMPLING``'s names, ``[R]`` or one for all (a name left out: its neutral value)."""
+        ``SAMPLING``'s names, ``[R]`` or one for all (a name left out: its neutral value); ``bias``: the
+        logit-bias entries' token ids ``i32[R, M]`` (-1: none) and values ``f32[R, M]``."""
         unknown = set(sampling) - {name for name, _, _ in SAMPLING}
         if unknown:
             raise TypeError(f"unknown sampling values {sorted(unknown)}")
         columns = [np.broadcast_to(np.asarray(sampling.get(name, off), dtype), np.shape(slots)).view(np.int32)
                    for name, dtype, off in SAMPLING]
-        return StepPlan(np.concatenate([slots, want, *columns]).astype(np.int32))
+        if bias is not None:
+            ids, values = bias
+            columns += [ids.T.ravel(), values.astype(np.float32).T.ravel().view(np.int32)]
+        return StepPlan(np.concatenate([slots, want, *columns]).astype(np.int32),
+                        0 if bias is None else bias[0].shape[1])
 
-    def _part(self, i: int):
-        R = self.data.shape[0] // (2 + len(SAMPLING))
-        return self.data[i * R:(i + 1) * R]
+    def _part(self, i: int, width: int = 1):
+        R = self.data.shape[0] // (2 + len(SAMPLING) + 2 * self.bias_slots)
+        return self.data[i * R:(i + width) * R]
 
     @property
     def slots(self):
@@ -128,6 +138,13 @@ class StepPlan:
         """Each entry's sampling by ``SAMPLING`` name, ``[R]`` of its dtype (inside the step)."""
         return {name: jax.lax.bitcast_convert_type(self._part(2 + i), dtype)
                 for i, (name, dtype, _) in enumerate(SAMPLING)}
+
+    def logit_bias(self) -> tuple[jax.Array, jax.Array]:
+        """The bias entries: token ids ``i32[R, M]`` (-1: none) and values ``f32[R, M]`` (inside the step)."""
+        M, first = self.bias_slots, 2 + len(SAMPLING)
+        ids = self._part(first, M).reshape(M, -1).T
+        values = jax.lax.bitcast_convert_type(self._part(first + M, M).reshape(M, -1).T, jnp.float32)
+        return ids, values
 
 
 # Rows of ``StepOutput.report``; a step with ``StepStatic.top_logprobs = N`` adds ``N`` rows of token ids
@@ -219,6 +236,16 @@ def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_p=1.0, top_k=
         return jnp.where(hot, drawn, greedy)
 
     return jax.lax.cond(jnp.any(hot), draw, lambda: greedy)
+
+
+def bias_logits(logits: jax.Array, ids: jax.Array, values: jax.Array, generated: jax.Array,
+                min_tokens: jax.Array) -> jax.Array:
+    """``logits: [B, V]`` with row ``b``'s bias entries added (``ids, values: [B, M]``; id -1: none). An
+    entry of value -inf masks a stop token while the row has generated fewer than ``min_tokens[b]``
+    tokens (``generated[b]`` so far), as vLLM's ``min_tokens``; after that it applies no more."""
+    active = (ids >= 0) & ((values > -jnp.inf) | (generated < min_tokens)[:, None])
+    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], ids.shape)
+    return logits.at[rows, jnp.maximum(ids, 0)].add(jnp.where(active, values, 0.0).astype(logits.dtype))
 
 
 def penalize(logits: jax.Array, tokens: jax.Array, length: jax.Array, prompt_len: jax.Array,
@@ -365,17 +392,23 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
         key = jnp.where(jnp.any(ok), key, state.key)
     sampling = plan.sampling()
     penalties = [sampling.pop(name) for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")]
-    prompt_len = sampling.pop("prompt_len")
+    prompt_len, min_tokens = sampling.pop("prompt_len"), sampling.pop("min_tokens")
 
     def draw(scores):
         return sample(scores, sub, position=seq_lens, **sampling)
 
-    # Penalties change only what the sampler sees (``logits`` and the log-probabilities stay raw); a step
-    # with none skips them (a conditional on the tokens, so that no [R, V] copy is made).
+    # Biases, then penalties (vLLM's order), change only what the sampler sees (``logits`` and the
+    # log-probabilities stay raw); a step with none skips them (conditionals, so that no [R, V] copy is made).
+    biased = logits
+    if plan.bias_slots:
+        ids, values = plan.logit_bias()
+        biased = jax.lax.cond(jnp.any(do_sample[:, None] & (ids >= 0)),
+                              lambda: bias_logits(logits, ids, values, seq_lens - prompt_len, min_tokens),
+                              lambda: logits)
     new_tokens = jax.lax.cond(
         jnp.any(do_sample & ((penalties[0] != 1) | (penalties[1] != 0) | (penalties[2] != 0))),
-        lambda: draw(penalize(logits, alloc.tokens[slot_of], seq_lens, prompt_len, *penalties)),
-        lambda: draw(logits))
+        lambda: draw(penalize(biased, alloc.tokens[slot_of], seq_lens, prompt_len, *penalties)),
+        lambda: draw(biased))
     if static.vectorised:
         alloc = ops.append_batch(layout, alloc, slot_of, new_tokens, do_sample)
     else:
