@@ -397,18 +397,18 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
     def draw(scores):
         return sample(scores, sub, position=seq_lens, **sampling)
 
-    # Biases, then penalties (vLLM's order), change only what the sampler sees (``logits`` and the
-    # log-probabilities stay raw); a step with none skips them (conditionals, so that no [R, V] copy is made).
-    biased = logits
+    def adjusted():  # biases, then penalties: vLLM's order
+        scores = logits
+        if plan.bias_slots:
+            scores = bias_logits(logits, *plan.logit_bias(), seq_lens - prompt_len, min_tokens)
+        return penalize(scores, alloc.tokens[slot_of], seq_lens, prompt_len, *penalties)
+
+    # They change only what the sampler sees (``logits`` and the log-probabilities stay raw); a step where
+    # no request has any skips them (a conditional on the tokens, so that no [R, V] copy is made).
+    adjust = do_sample & ((penalties[0] != 1) | (penalties[1] != 0) | (penalties[2] != 0))
     if plan.bias_slots:
-        ids, values = plan.logit_bias()
-        biased = jax.lax.cond(jnp.any(do_sample[:, None] & (ids >= 0)),
-                              lambda: bias_logits(logits, ids, values, seq_lens - prompt_len, min_tokens),
-                              lambda: logits)
-    new_tokens = jax.lax.cond(
-        jnp.any(do_sample & ((penalties[0] != 1) | (penalties[1] != 0) | (penalties[2] != 0))),
-        lambda: draw(penalize(biased, alloc.tokens[slot_of], seq_lens, prompt_len, *penalties)),
-        lambda: draw(biased))
+        adjust |= do_sample & jnp.any(plan.logit_bias()[0] >= 0, axis=1)
+    new_tokens = jax.lax.cond(jnp.any(adjust), lambda: draw(adjusted()), lambda: draw(logits))
     if static.vectorised:
         alloc = ops.append_batch(layout, alloc, slot_of, new_tokens, do_sample)
     else:
