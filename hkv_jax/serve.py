@@ -1,16 +1,18 @@
 """``hkv serve``: OpenAI-style completion endpoints over one engine, on the standard library's HTTP
 server (nothing more to install).
 
-- ``POST /v1/completions``: ``prompt`` (text, or a list of token ids), ``max_tokens`` (default 16),
-  ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop`` (a string
-  or a list of them), ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logprobs``
-  (how many likeliest tokens to list per generated token, at most the engine's ``max_top_logprobs``),
-  ``logit_bias`` (token id -> value in [-100, 100], at most the engine's ``max_logit_bias`` entries),
-  ``min_tokens`` (vLLM's: no stop before that many tokens; each EOS id takes a bias entry), ``n``
-  (choices per prompt, each its own engine request; with a ``seed``, choice ``i`` samples with
-  ``seed + i``, as vLLM's) and ``stream`` (server-sent events, ``data: [DONE]`` last; ``stream_options:
-  {"include_usage": true}`` adds a last event with the usage). The answer has ``choices`` (``index``,
-  ``text``, ``finish_reason``, ``logprobs``) and ``usage``. A client that goes away mid-stream is aborted.
+- ``POST /v1/completions``: ``prompt`` (text, a list of token ids, or a list of either: a batch),
+  ``max_tokens`` (default 16), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``,
+  ``min_p``, ``seed``, ``stop`` (a string or a list of them), ``presence_penalty``,
+  ``frequency_penalty``, ``repetition_penalty``, ``logprobs`` (how many likeliest tokens to list per
+  generated token, at most the engine's ``max_top_logprobs``), ``logit_bias`` (token id -> value in
+  [-100, 100], at most the engine's ``max_logit_bias`` entries), ``min_tokens`` (vLLM's: no stop before
+  that many tokens; each EOS id takes a bias entry), ``n`` (choices per prompt, each its own engine
+  request; with a ``seed``, choice ``i`` samples with ``seed + i``, as vLLM's; a batch gets ``n``
+  choices per prompt, prompt by prompt) and ``stream`` (server-sent events, ``data: [DONE]`` last;
+  ``stream_options: {"include_usage": true}`` adds a last event with the usage). The answer has
+  ``choices`` (``index``, ``text``, ``finish_reason``, ``logprobs``) and ``usage``. A client that goes
+  away before its answer is complete is aborted.
 - ``POST /v1/chat/completions``: the same with ``messages`` (in Gemma's turn format, ``gemma_chat``)
   instead of ``prompt``, ``max_completion_tokens`` or ``max_tokens`` (default: up to the engine's
   ``max_model_len``), and ``logprobs: true`` with ``top_logprobs``; each answer choice's ``message``
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import json
 import queue
+import select
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +42,8 @@ from hkv_jax.models.tokenizer import gemma_chat
 
 # Request fields given to ``Engine.add_request`` as they are (absent: the engine's value).
 _SAMPLING = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
+# How often a request that does not stream checks that its client still waits (seconds).
+_CHECK_SECONDS = 0.5
 # OpenAI fields with one value only here.
 _FIXED = {"echo": False, "suffix": None}
 
@@ -117,18 +123,10 @@ class CompletionServer:
         options = body.get("stream_options") or {}
         if not isinstance(options, dict) or type(options.get("include_usage", False)) is not bool:
             raise BadRequest('stream_options must be an object like {"include_usage": true}')
-        prompt = body.get("prompt")
-        if chat:
-            ids = self.codec.encode(gemma_chat(body.get("messages")))
-        elif isinstance(prompt, str) and prompt:
-            ids = self.codec.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            ids = prompt
-        else:
-            raise BadRequest("prompt must be a non-empty string or a list of token ids")
+        prompts = [self.codec.encode(gemma_chat(body.get("messages")))] if chat else self._prompts(body.get("prompt"))
         if chat:  # by default, up to the longest request, as vLLM's chat completions
-            max_tokens = body.get("max_completion_tokens", body.get("max_tokens",
-                                                                    max(self.engine.layout.max_model_len - len(ids), 1)))
+            longest = max(self.engine.layout.max_model_len - len(prompts[0]), 1)
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens", longest))
         else:
             max_tokens = body.get("max_tokens", 16)
         if type(max_tokens) is not int or max_tokens < 1:
@@ -150,14 +148,30 @@ class CompletionServer:
             bias = {int(t): v for t, v in bias.items()}
         except (AttributeError, ValueError):
             raise BadRequest("logit_bias must be an object of token ids to values") from None
-        request = {"prompt": ids, "max_new_tokens": max_tokens, "stop": tuple(self.codec.eos_ids),
+        request = {"max_new_tokens": max_tokens, "stop": tuple(self.codec.eos_ids),
                    "logit_bias": bias, "min_tokens": body.get("min_tokens", 0),
                    "stop_strings": tuple(stop), "temperature": body.get("temperature", 1.0),
                    "logprobs": top is not None, "top_logprobs": top or 0,
                    **{name: body[name] for name in _SAMPLING if name in body}}
         replies: queue.Queue = queue.Queue()
-        self._inbox.put(("add", request, n, replies, top))
+        self._inbox.put(("add", request, prompts, n, replies, top))
         return replies, top
+
+    def _prompts(self, prompt) -> list[list[int]]:
+        """A completion request's prompts as token ids: OpenAI's ``prompt`` is a string, a list of token ids,
+        or a list of either (a batch)."""
+        def one(p):
+            if isinstance(p, str) and p:
+                return self.codec.encode(p)
+            if isinstance(p, list) and p and all(type(t) is int for t in p):
+                return p
+            return None
+
+        batch = prompt if isinstance(prompt, list) and prompt and type(prompt[0]) is not int else [prompt]
+        prompts = [one(p) for p in batch]
+        if None in prompts:
+            raise BadRequest("prompt must be a non-empty string, a list of token ids, or a list of either")
+        return prompts
 
     def abort(self, rids: list[int]) -> None:
         """End the requests ``rids`` (their client went away)."""
@@ -197,7 +211,8 @@ class CompletionServer:
                     self._update(rid)
 
     def _take(self, item) -> None:
-        """Apply one queued item: a new request (its ``n`` choices), an abort, or a metrics read."""
+        """Apply one queued item: a new request (``n`` choices per prompt, prompt by prompt), an abort, or a
+        metrics read."""
         if item[0] == "metrics":
             item[1].put(self._metrics())
             return
@@ -207,21 +222,23 @@ class CompletionServer:
             finished = self._counts["finished"]
             finished["abort"] = finished.get("abort", 0) + len(running)
             return
-        _, request, n, replies, top = item
-        prompt, new, seed = request.pop("prompt"), request.pop("max_new_tokens"), request.pop("seed", None)
+        _, request, prompts, n, replies, top = item
+        new, seed = request.pop("max_new_tokens"), request.pop("seed", None)
         rids = []
         try:
-            for i in range(n):
-                rids.append(self.engine.add_request(prompt, new, seed=None if seed is None else (seed + i) % 2**31,
-                                                    **request))
+            for prompt in prompts:
+                for i in range(n):
+                    rids.append(self.engine.add_request(prompt, new, **request,
+                                                        seed=None if seed is None else (seed + i) % 2**31))
         except Exception as e:  # noqa: BLE001 - a request the engine refuses (bad values): its client hears why
             self._drop(rids)
             replies.put({"error": str(e)})
             return
         for i, rid in enumerate(rids):
             self._served[rid] = _Served(replies, top, i)
-        self._counts["prompt"] += n * len(prompt)
-        replies.put({"ids": rids, "prompt_tokens": len(prompt)})
+        tokens = sum(map(len, prompts))
+        self._counts["prompt"] += n * tokens
+        replies.put({"ids": rids, "prompt_tokens": tokens})
 
     def _drop(self, rids: list[int]) -> None:
         """Abort and forget engine requests no client waits for."""
@@ -398,8 +415,20 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
             n = len(first["ids"])
             texts, entries, finish = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
             generated = 0
+            check = time.monotonic()
             while None in finish:
-                u = replies.get()
+                try:
+                    u = replies.get(timeout=_CHECK_SECONDS)
+                except queue.Empty:
+                    u = None
+                if time.monotonic() >= check:  # updates come every step: look at the client now and then
+                    check = time.monotonic() + _CHECK_SECONDS
+                    if self._gone():  # it stopped waiting: its choices end now
+                        server.abort(first["ids"])
+                        self.close_connection = True
+                        return
+                if u is None:
+                    continue
                 if "error" in u:
                     self._error(500, u["error"])
                     return
@@ -442,6 +471,15 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
             except (BrokenPipeError, ConnectionResetError):
                 server.abort(first["ids"])
 
+        def _gone(self) -> bool:
+            """Whether the client closed its connection (readable, with nothing to read)."""
+            if not select.select([self.connection], [], [], 0)[0]:
+                return False
+            try:
+                return self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                return True
+
         def _event(self, obj) -> None:
             self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
             self.wfile.flush()
@@ -450,7 +488,7 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
 
 
 def _usage(prompt_tokens: int, generated: int) -> dict:
-    """OpenAI's ``usage`` object (the prompt counted once, however many choices)."""
+    """OpenAI's ``usage`` object (each prompt counted once, however many choices)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 import time
 import urllib.error
@@ -142,6 +143,13 @@ def test_n_choices_sample_with_consecutive_seeds_and_metrics_count_them(server):
     assert after["hkv_steps_total"] > before["hkv_steps_total"] and after["hkv_requests_running"] == 0
     assert after["hkv_kv_blocks_free"] == CFG.num_blocks - 1  # every block back (cached ones count as free)
     assert after["hkv_prefix_cache_hit_tokens_total"] > before["hkv_prefix_cache_hit_tokens_total"]  # the 2nd request
+    # A batch of prompts (text and token ids) gets n choices per prompt, prompt by prompt.
+    batch = {**body, "prompt": [PROMPTS[2], CODEC.encode(PROMPTS[0])], "logprobs": None}
+    status, got = request(server, "/v1/completions", batch)
+    texts = [engine_answer(p, 10, temperature=0.9, seed=s)[0] for p in (PROMPTS[2], PROMPTS[0]) for s in (3, 4)]
+    assert status == 200 and [c["text"] for c in got["choices"]] == texts
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    assert got["usage"]["prompt_tokens"] == prompt_tokens + len(CODEC.encode(PROMPTS[0]))
 
 
 def test_a_stop_string_ends_the_text_before_it_streamed_or_not(server):
@@ -190,6 +198,7 @@ def test_bad_requests_get_400_and_the_server_goes_on(server):
     long_prompt = "x" * 90
     for body, message in (({"prompt": "hi", "max_tokens": 0}, "max_tokens must be a positive integer"),
                           ({"prompt": "", "max_tokens": 4}, "prompt must be a non-empty string"),
+                          ({"prompt": ["a", []], "max_tokens": 4}, "or a list of either"),
                           ({"prompt": "hi", "temperature": -1}, "temperature must be"),
                           ({"prompt": "hi", "logprobs": 3}, "logprobs must be an integer in [0, 2]"),
                           ({"prompt": "hi", "n": 5}, "n must be an integer in [1, 4]"),
@@ -218,20 +227,28 @@ def test_bad_requests_get_400_and_the_server_goes_on(server):
     assert status == 200 and got["choices"][0]["text"] == "AAAA", got
 
 
-def test_a_client_that_leaves_mid_stream_is_aborted(server):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_before_its_answer_is_aborted(server, stream):
+    def aborts() -> int:  # the metrics' count of aborted choices
+        line = re.search(r'hkv_requests_finished_total\{finish_reason="abort"\} (\d+)', request(server, "/metrics")[1])
+        return int(line[1]) if line else 0
+
     host, port = server.url.removeprefix("http://").split(":")
-    generated = server.engine.stats.generated
+    generated, aborted, counted = server.engine.stats.generated, server.engine.stats.aborted, aborts()
     conn = http.client.HTTPConnection(host, int(port), timeout=300)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 90, "stream": True,
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 90, "stream": stream,
                                                         "seed": 1}), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200 and resp.readline().startswith(b"data: ")  # the first chunk came
-    aborted = server.engine.stats.aborted
-    resp.close()  # the response holds the socket too
+    if stream:
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")  # the first chunk came
+        resp.close()  # the response holds the socket too
+    else:  # it leaves once its request runs
+        while server.engine.stats.generated == generated:
+            time.sleep(0.01)
     conn.close()
     deadline = time.time() + 120
     while server.engine.stats.aborted == aborted or server.engine.has_work:
         assert time.time() < deadline, "the request was not aborted"
         time.sleep(0.05)
     assert not server.engine.requests and server.engine.stats.generated - generated < 90
-    assert 'hkv_requests_finished_total{finish_reason="abort"} 1' in request(server, "/metrics")[1]
+    assert aborts() == counted + 1
