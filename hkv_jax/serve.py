@@ -493,9 +493,11 @@ def _usage(prompt_tokens: int, generated: int) -> dict:
 
 
 def warm_up(engine: Engine) -> None:
-    """Compile the step programs a server needs before the first client waits for them: one request long
-    enough for the largest token bucket, then decode steps (the smallest bucket, and its lean step)."""
+    """Compile the programs a server needs before the first client waits for them: one request long enough
+    for the largest token bucket, then decode steps (the smallest bucket, and its lean step), and the
+    admissions of every prompt-buffer size (``Engine.compile_admissions``)."""
     prompt = [0] * min(engine.token_budget, engine.layout.max_model_len - 4)
     rid = engine.add_request(prompt, 4)
     engine.run()
     engine.forget(rid)
+    engine.compile_admissions()

@@ -5,15 +5,22 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
+from dataclasses import replace
+
 from hkv_jax.demo import DemoConfig, build_engine
+from hkv_jax.engine import engine as engine_module
 from hkv_jax.models.tokenizer import ByteCodec, gemma_chat
 from hkv_jax.serve import CompletionServer
 
@@ -252,3 +259,30 @@ def test_a_client_that_leaves_before_its_answer_is_aborted(server, stream):
         time.sleep(0.05)
     assert not server.engine.requests and server.engine.stats.generated - generated < 90
     assert aborts() == counted + 1
+
+
+def test_the_load_benchmark_times_streamed_requests_of_the_asked_length(server):
+    """``benchmarks/serve_load.py`` against this server: every request generates ``--max-tokens`` tokens,
+    and its rows hold sane timings per concurrency."""
+    script = Path(__file__).parent.parent / "benchmarks" / "serve_load.py"
+    proc = subprocess.run([sys.executable, str(script), "--url", server.url, "--requests", "4", "--concurrency",
+                           "1,2", "--prompt-words", "3", "--max-tokens", "5", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["requests"] == 4 and r["output_tokens"] == 20 and r["prompt_tokens_mean"] > 3
+        assert 0 < r["ttft_ms_p50"] <= r["latency_ms_p50"] and r["tpot_ms_p50"] > 0 and r["output_tokens_per_s"] > 0
+
+
+def test_the_warm_up_compiles_every_admission_size_and_changes_nothing():
+    """``Engine.compile_admissions`` (run by ``warm_up``) compiles the admission program for every prompt
+    buffer a step can send (up to 2 requests x 40 tokens: 64 and 128 tokens) and leaves the state as it
+    was. Sizes of its own: none of them was compiled before."""
+    engine, _ = build_engine(replace(CFG, num_blocks=CFG.num_blocks + 1, max_requests=2, max_model_len=40), **OPTIONS)
+    before = jax.tree.map(np.asarray, engine.state.alloc)
+    compiled = engine_module._PREPARE._cache_size()
+    engine.compile_admissions()
+    assert engine_module._PREPARE._cache_size() - compiled == 2
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, engine.state.alloc))

@@ -75,6 +75,11 @@ def _sender(placement: jax.sharding.Sharding):
     return jax.jit(lambda x: x, out_shardings=placement)
 
 
+def _prompt_buffer(tokens: int) -> int:
+    """The size of the prompt buffer that carries ``tokens`` prompt tokens to the device."""
+    return max(_MIN_PROMPT_BUFFER, 1 << (tokens - 1).bit_length())
+
+
 def _integer(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -660,7 +665,7 @@ class Engine:
             toks = r.prompt + r.generated
             slots[i], lens[i], salts[i] = r.slot, len(toks), r.salt
             prompts += toks
-        buffer = np.zeros(max(_MIN_PROMPT_BUFFER, 1 << (len(prompts) - 1).bit_length()), np.int32)
+        buffer = np.zeros(_prompt_buffer(len(prompts)), np.int32)
         buffer[:len(prompts)] = prompts
         return Changes(free=free, preempt=preempt, slots=slots, prompts=buffer, lens=lens, salts=salts)
 
@@ -927,6 +932,23 @@ class Engine:
             if progress:
                 progress(sum(r.done for r in self.requests.values()), len(self.requests))
         return {rid: r.generated for rid, r in self.requests.items()}
+
+    def compile_admissions(self) -> None:
+        """Compile the program that admits and releases requests for every size of the prompt buffer a step
+        can send, so that no request waits for one of those compiles later (each takes seconds for a real
+        model on a CPU). The buffer holds the prompts a step admits; a step admits at most
+        ``min(max_requests, token_budget)`` requests of at most ``max_model_len`` tokens. Each call admits and
+        releases nothing: the state stays as it was."""
+        R = self.layout.max_requests
+        none, slots = np.zeros(R, bool), np.full(R, -1, np.int32)
+        largest = _prompt_buffer(min(R, self.token_budget) * self.layout.max_model_len)
+        size = _MIN_PROMPT_BUFFER
+        while size <= largest:
+            changes = Changes(free=none, preempt=none, slots=slots, prompts=np.zeros(size, np.int32),
+                              lens=np.zeros(R, np.int32), salts=np.zeros(R, np.uint32))
+            with self._on_mesh():
+                self.state = replace(self.state, alloc=_PREPARE(self.layout, self.state.alloc, changes, self.vectorised))
+            size *= 2
 
     @staticmethod
     def compilations() -> int:
