@@ -34,6 +34,7 @@ import select
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -75,7 +76,7 @@ class CompletionServer:
         self._served: dict[int, _Served] = {}
         # Counted by the engine thread for /metrics: tokens of the prompts taken and of the text sent,
         # finished choices per finish reason.
-        self._counts = {"prompt": 0, "generation": 0, "finished": {}}
+        self._counts = {"prompt": 0, "generation": 0, "finished": Counter()}
         self._stopping = threading.Event()
         self._http: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
@@ -219,8 +220,7 @@ class CompletionServer:
         if item[0] == "abort":
             running = [rid for rid in item[1] if self._served.pop(rid, None) is not None]
             self._drop(running)
-            finished = self._counts["finished"]
-            finished["abort"] = finished.get("abort", 0) + len(running)
+            self._counts["finished"]["abort"] += len(running)
             return
         _, request, prompts, n, replies, top = item
         new, seed = request.pop("max_new_tokens"), request.pop("seed", None)
@@ -256,8 +256,7 @@ class CompletionServer:
             update["logprobs"] = self._logprobs(served, r)
         if r.done:
             update |= {"finish_reason": r.finish_reason, "completion_tokens": len(r.generated)}
-            finished = self._counts["finished"]
-            finished[r.finish_reason] = finished.get(r.finish_reason, 0) + 1
+            self._counts["finished"][r.finish_reason] += 1
             self._counts["generation"] += len(r.generated)
             del self._served[rid]
             self.engine.forget(rid)
@@ -361,9 +360,11 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
             pass
 
         def _json(self, status: int, obj) -> None:
-            body = json.dumps(obj).encode()
+            self._send(status, json.dumps(obj).encode(), "application/json")
+
+        def _send(self, status: int, body: bytes, content_type: str) -> None:
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -376,12 +377,7 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
             if self.path == "/health":
                 self._json(200, {"status": "ok"})
             elif self.path == "/metrics":
-                body = server.metrics().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self._send(200, server.metrics().encode(), "text/plain; version=0.0.4")
             elif self.path == "/v1/models":
                 self._json(200, {"object": "list", "data": [{
                     "id": server.model_name, "object": "model", "owned_by": "hkv-jax",

@@ -397,17 +397,17 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
     def draw(scores):
         return sample(scores, sub, position=seq_lens, **sampling)
 
+    bias = plan.logit_bias() if plan.bias_slots else None
+
     def adjusted():  # biases, then penalties: vLLM's order
-        scores = logits
-        if plan.bias_slots:
-            scores = bias_logits(logits, *plan.logit_bias(), seq_lens - prompt_len, min_tokens)
+        scores = logits if bias is None else bias_logits(logits, *bias, seq_lens - prompt_len, min_tokens)
         return penalize(scores, alloc.tokens[slot_of], seq_lens, prompt_len, *penalties)
 
     # They change only what the sampler sees (``logits`` and the log-probabilities stay raw); a step where
     # no request has any skips them (a conditional on the tokens, so that no [R, V] copy is made).
     adjust = do_sample & ((penalties[0] != 1) | (penalties[1] != 0) | (penalties[2] != 0))
-    if plan.bias_slots:
-        adjust |= do_sample & jnp.any(plan.logit_bias()[0] >= 0, axis=1)
+    if bias is not None:
+        adjust |= do_sample & jnp.any(bias[0] >= 0, axis=1)
     new_tokens = jax.lax.cond(jnp.any(adjust), lambda: draw(adjusted()), lambda: draw(logits))
     if static.vectorised:
         alloc = ops.append_batch(layout, alloc, slot_of, new_tokens, do_sample)
