@@ -10,9 +10,12 @@ server (nothing more to install).
   that many tokens; each EOS id takes a bias entry), ``n`` (choices per prompt, each its own engine
   request; with a ``seed``, choice ``i`` samples with ``seed + i``, as vLLM's; a batch gets ``n``
   choices per prompt, prompt by prompt) and ``stream`` (server-sent events, ``data: [DONE]`` last;
-  ``stream_options: {"include_usage": true}`` adds a last event with the usage). The answer has
-  ``choices`` (``index``, ``text``, ``finish_reason``, ``logprobs``) and ``usage``. A client that goes
-  away before its answer is complete is aborted.
+  ``stream_options: {"include_usage": true}`` adds a last event with the usage). ``echo: true`` puts
+  each prompt before its choices' text and, with ``logprobs``, its tokens' log-probabilities (the first
+  token's is null) before theirs (``Engine.prompt_logprobs``); with ``max_tokens: 0`` that is the whole
+  answer. That is how evaluation harnesses score a continuation (lm-eval's ``local-completions``).
+  The answer has ``choices`` (``index``, ``text``, ``finish_reason``, ``logprobs``) and ``usage``. A
+  client that goes away before its answer is complete is aborted.
 - ``POST /v1/chat/completions``: the same with ``messages`` (in Gemma's turn format, ``gemma_chat``)
   instead of ``prompt``, ``max_completion_tokens`` or ``max_tokens`` (default: up to the engine's
   ``max_model_len``), and ``logprobs: true`` with ``top_logprobs``; each answer choice's ``message``
@@ -46,7 +49,7 @@ _SAMPLING = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_p
 # How often a request that does not stream checks that its client still waits (seconds).
 _CHECK_SECONDS = 0.5
 # OpenAI fields with one value only here.
-_FIXED = {"echo": False, "suffix": None}
+_FIXED = {"suffix": None}
 
 
 class BadRequest(ValueError):
@@ -77,6 +80,7 @@ class CompletionServer:
         # Counted by the engine thread for /metrics: tokens of the prompts taken and of the text sent,
         # finished choices per finish reason.
         self._counts = {"prompt": 0, "generation": 0, "finished": Counter()}
+        self._answers = 0  # answers begun: each one's id
         self._stopping = threading.Event()
         self._http: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
@@ -108,9 +112,11 @@ class CompletionServer:
 
     def submit(self, body, chat: bool = False) -> tuple[queue.Queue, int | None]:
         """Queue the completion request ``body`` (parsed JSON; ``chat``: a chat completion). Returns the
-        queue its updates arrive on (first ``{"ids": [request id per choice], "prompt_tokens": n}`` or
-        ``{"error": message}``, then each choice's pieces of text with its ``index``) and how many likeliest
-        tokens it lists (None: no log-probabilities). ``ValueError`` (``BadRequest``) for malformed fields."""
+        queue its updates arrive on and how many likeliest tokens it lists (None: no log-probabilities).
+        The first update is ``{"error": message}`` or ``{"id": the answer's number, "ids": [engine request
+        id per choice] (none for echo alone), "choices": count, "prompt_tokens": count, "echo": None or
+        (text, log-probability entries) per choice}``; then come each choice's pieces of text with its
+        ``index``. ``ValueError`` (``BadRequest``) for malformed fields."""
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
         for name, value in _FIXED.items():
@@ -121,17 +127,23 @@ class CompletionServer:
             raise BadRequest(f"n must be an integer in [1, {most}] (the requests served at once), got {n!r}")
         if body.get("best_of", n) != n:
             raise BadRequest("best_of must equal n here")
+        echo = body.get("echo", False)
+        if type(echo) is not bool or (echo and chat):
+            raise BadRequest("echo must be true or false, and false for chat completions")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict) or type(options.get("include_usage", False)) is not bool:
             raise BadRequest('stream_options must be an object like {"include_usage": true}')
-        prompts = [self.codec.encode(gemma_chat(body.get("messages")))] if chat else self._prompts(body.get("prompt"))
+        if chat:
+            prompts, texts = [self.codec.encode(gemma_chat(body.get("messages")))], [None]
+        else:
+            prompts, texts = self._prompts(body.get("prompt"))
         if chat:  # by default, up to the longest request, as vLLM's chat completions
             longest = max(self.engine.layout.max_model_len - len(prompts[0]), 1)
             max_tokens = body.get("max_completion_tokens", body.get("max_tokens", longest))
         else:
             max_tokens = body.get("max_tokens", 16)
-        if type(max_tokens) is not int or max_tokens < 1:
-            raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if type(max_tokens) is not int or max_tokens < (0 if echo else 1):  # echo alone scores the prompt
+            raise BadRequest(f"max_tokens must be a positive integer (or 0 with echo), got {max_tokens!r}")
         stop = body.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
@@ -155,12 +167,12 @@ class CompletionServer:
                    "logprobs": top is not None, "top_logprobs": top or 0,
                    **{name: body[name] for name in _SAMPLING if name in body}}
         replies: queue.Queue = queue.Queue()
-        self._inbox.put(("add", request, prompts, n, replies, top))
+        self._inbox.put(("add", request, prompts, n, replies, top, texts if echo else None))
         return replies, top
 
-    def _prompts(self, prompt) -> list[list[int]]:
-        """A completion request's prompts as token ids: OpenAI's ``prompt`` is a string, a list of token ids,
-        or a list of either (a batch)."""
+    def _prompts(self, prompt) -> tuple[list[list[int]], list[str | None]]:
+        """A completion request's prompts as token ids, and each one's text (None: given as ids): OpenAI's
+        ``prompt`` is a string, a list of token ids, or a list of either (a batch)."""
         def one(p):
             if isinstance(p, str) and p:
                 return self.codec.encode(p)
@@ -172,7 +184,7 @@ class CompletionServer:
         prompts = [one(p) for p in batch]
         if None in prompts:
             raise BadRequest("prompt must be a non-empty string, a list of token ids, or a list of either")
-        return prompts
+        return prompts, [p if isinstance(p, str) else None for p in batch]
 
     def abort(self, rids: list[int]) -> None:
         """End the requests ``rids`` (their client went away)."""
@@ -222,12 +234,13 @@ class CompletionServer:
             self._drop(running)
             self._counts["finished"]["abort"] += len(running)
             return
-        _, request, prompts, n, replies, top = item
+        _, request, prompts, n, replies, top, echo = item  # echo: each prompt's text (None: decode it)
         new, seed = request.pop("max_new_tokens"), request.pop("seed", None)
         rids = []
         try:
+            echoed = None if echo is None else [self._echo(p, text, top) for p, text in zip(prompts, echo)]
             for prompt in prompts:
-                for i in range(n):
+                for i in range(n if new else 0):  # echo with max_tokens 0: the prompts only
                     rids.append(self.engine.add_request(prompt, new, **request,
                                                         seed=None if seed is None else (seed + i) % 2**31))
         except Exception as e:  # noqa: BLE001 - a request the engine refuses (bad values): its client hears why
@@ -238,7 +251,11 @@ class CompletionServer:
             self._served[rid] = _Served(replies, top, i)
         tokens = sum(map(len, prompts))
         self._counts["prompt"] += n * tokens
-        replies.put({"ids": rids, "prompt_tokens": tokens})
+        if not new:
+            self._counts["finished"]["length"] += n * len(prompts)
+        self._answers += 1
+        replies.put({"id": self._answers, "ids": rids, "choices": n * len(prompts), "prompt_tokens": tokens,
+                     "echo": None if echoed is None else [e for e in echoed for _ in range(n)]})
 
     def _drop(self, rids: list[int]) -> None:
         """Abort and forget engine requests no client waits for."""
@@ -288,6 +305,21 @@ class CompletionServer:
                   for reason, count in sorted(counts["finished"].items())]
         return "\n".join(lines) + "\n"
 
+    def _echo(self, prompt: list[int], text: str | None, top: int | None) -> tuple[str, list]:
+        """What ``echo`` puts before each choice's answer: the prompt's ``text`` (None: its tokens' text)
+        and, when the request asks for log-probabilities, its tokens' entries (as ``_logprobs``'; the first
+        token has no log-probability and no likeliest tokens)."""
+        decode = self.codec.decode
+        prompt = self.engine.check_prompt(prompt)  # echo alone adds no engine request, which would check it
+        text = decode(prompt) if text is None else text
+        if top is None:
+            return text, []
+        scored = self.engine.prompt_logprobs(prompt, top)
+        entries = [(decode([prompt[0]]), None, None)]
+        entries += [(decode([t]), v, [(decode([u]), w) for u, w in likeliest])
+                    for t, (v, likeliest) in zip(prompt[1:], scored[1:])]
+        return text, entries
+
     def _logprobs(self, served: _Served, r) -> list:
         """``(text, log-probability, [(text, log-probability)] of the likeliest)`` per token of ``r`` not
         sent yet."""
@@ -322,7 +354,8 @@ class _Answer:
             self.offsets[index] += len(t)
         # Tokens with the same text (bytes of an incomplete character) share a key: the likeliest keeps it.
         return {"tokens": [t for t, _, _ in entries], "token_logprobs": [v for _, v, _ in entries],
-                "top_logprobs": [dict(reversed(top)) for _, _, top in entries] if self.top else None,
+                "top_logprobs": [None if top is None else dict(reversed(top)) for _, _, top in entries]
+                if self.top else None,
                 "text_offset": offsets}
 
     def whole(self, choices: list[tuple[str, list, str]], usage: dict) -> dict:
@@ -400,7 +433,7 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
             if "error" in first:
                 self._error(400, first["error"])
                 return
-            answer = _Answer(chat, first["ids"][0], server.model_name, top, len(first["ids"]))
+            answer = _Answer(chat, first["id"], server.model_name, top, first["choices"])
             if body.get("stream"):
                 usage = (body.get("stream_options") or {}).get("include_usage", False)
                 self._stream(first, answer, replies, usage)
@@ -408,8 +441,9 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
                 self._whole(first, answer, replies)
 
         def _whole(self, first: dict, answer: _Answer, replies: queue.Queue) -> None:
-            n = len(first["ids"])
-            texts, entries, finish = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+            n, echo = first["choices"], first["echo"] or [("", [])] * first["choices"]
+            texts, entries = [[text] for text, _ in echo], [list(e) for _, e in echo]
+            finish = [None] * n if first["ids"] else ["length"] * n  # no ids: echo alone
             generated = 0
             check = time.monotonic()
             while None in finish:
@@ -449,6 +483,8 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
                 if answer.chat:
                     for i in range(left):
                         self._event(answer.chunk(i, "", None, None, first=True))
+                for i, (text, entries) in enumerate(first["echo"] or ()):  # the prompt comes first
+                    self._event(answer.chunk(i, text, entries, None if left else "length"))
                 while left:
                     u = replies.get()
                     if "error" in u:

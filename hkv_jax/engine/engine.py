@@ -47,6 +47,7 @@ from flax import nnx
 from hkv_jax.allocator import ops
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.cache import init_cache, mesh_model_size
+from hkv_jax.engine.score import prompt_logprobs
 from hkv_jax.engine.step import SAMPLING, Changes, EngineState, StepPlan, StepStatic, decode_steps, prepare, step
 from hkv_jax.planner import plan as plan_cache
 from hkv_jax.sharding import param_shardings, replicated
@@ -57,6 +58,7 @@ _STEP = jax.jit(step, static_argnums=0, donate_argnums=2)
 _DECODE_STEPS = jax.jit(decode_steps, static_argnums=(0, 1), donate_argnums=3)
 _PREPARE = jax.jit(prepare, static_argnums=(0, 3), donate_argnums=1)
 _FORK = jax.jit(ops.fork, static_argnums=0, donate_argnums=1)
+_PROMPT_LOGPROBS = jax.jit(prompt_logprobs, static_argnums=(0, 1, 2))
 # New prompts travel in a flat buffer of a power-of-two size, at least this many tokens: few shapes of
 # the (small) prepare program.
 _MIN_PROMPT_BUFFER = 64
@@ -428,10 +430,11 @@ class Engine:
         masked until then) and before its stop strings are looked for. Both take entries of the
         engine's ``max_logit_bias``: one per bias, and one per stop token while ``min_tokens`` is set.
 
-        Raises ``ValueError`` when it cannot fit ``max_model_len`` or for sampling values out of range."""
-        prompt = [int(t) for t in prompt]
-        if not prompt or max_new_tokens < 1:
-            raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        Raises ``ValueError`` for a bad prompt (``check_prompt``), when it cannot fit ``max_model_len`` or
+        for sampling values out of range."""
+        if not _integer(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        prompt = self.check_prompt(prompt, max_new_tokens)
         stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
         if not all(isinstance(x, str) and x for x in stop_strings):
             raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
@@ -443,12 +446,7 @@ class Engine:
         sampling = _checked_sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                                      repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                      frequency_penalty=frequency_penalty)
-        if not all(0 <= t < self.vocab_size for t in prompt):
-            raise ValueError(f"prompt tokens must lie in [0, {self.vocab_size})")
         bias = self._bias_entries(logit_bias, min_tokens, stop, max_new_tokens)
-        if len(prompt) + max_new_tokens > self.layout.max_model_len:
-            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
-                             f"max_model_len {self.layout.max_model_len}")
         rid = self._next_id
         self._next_id += 1
         self._requests[rid] = Request(rid, prompt, max_new_tokens, stop=tuple(int(t) for t in stop),
@@ -457,6 +455,19 @@ class Engine:
                                       logit_bias=bias, min_tokens=min_tokens, arrival_time=time.time(), **sampling)
         self.waiting.append(rid)
         return rid
+
+    def check_prompt(self, prompt, max_new_tokens: int = 0) -> list[int]:
+        """``prompt`` as a list of ints, checked: ``ValueError`` when it is empty, holds a token outside the
+        vocabulary, or leaves no room in ``max_model_len`` for ``max_new_tokens`` more tokens."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("a prompt needs at least one token")
+        if not all(0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt tokens must lie in [0, {self.vocab_size})")
+        if len(prompt) + max_new_tokens > self.layout.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"max_model_len {self.layout.max_model_len}")
+        return prompt
 
     def _bias_entries(self, logit_bias, min_tokens, stop, max_new_tokens: int) -> tuple[tuple[int, float], ...]:
         """``add_request``'s ``logit_bias`` and ``min_tokens`` checked, as the request's bias entries (a stop
@@ -516,6 +527,27 @@ class Engine:
         floor = len(self.detokenize(r.generated[:r.min_tokens])) if r.min_tokens else 0
         at = {s: text.find(s, max(floor - len(s) + 1, 0)) for s in r.stop_strings}
         return {s: i for s, i in at.items() if i >= 0}
+
+    def prompt_logprobs(self, prompt, top: int = 0) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        """Each token of ``prompt``'s log-probability given the tokens before it, under the model's raw
+        logits (vLLM's ``prompt_logprobs``; OpenAI's ``echo`` with ``logprobs``): ``None`` for the first
+        token (nothing comes before it), then ``(log-probability, [(token, log-probability)] of the
+        ``top`` likeliest tokens at that position, likeliest first)`` per token.
+
+        It runs the model's uncached forward (``hkv_jax.engine.score``), compiled once per prompt-buffer
+        size (powers of two, at least 64 tokens), and changes nothing: not the cache, not the requests.
+        ``ValueError`` for a bad prompt (``check_prompt``) or ``top`` over ``max_top_logprobs``."""
+        prompt = self.check_prompt(prompt)
+        if not _integer(top) or not 0 <= top <= self.max_top_logprobs:
+            raise ValueError(f"top must be an integer in [0, {self.max_top_logprobs}] (the engine's "
+                             f"max_top_logprobs), got {top!r}")
+        tokens = np.zeros(_prompt_buffer(len(prompt)), np.int32)
+        tokens[:len(prompt)] = prompt
+        static = self.statics[0]
+        logprob, ids, values = jax.device_get(_PROMPT_LOGPROBS(static.graphdef, static.params_def, int(top),
+                                                               self.params, tokens))
+        return [None] + [(float(logprob[j]), list(zip(ids[j].tolist(), values[j].tolist())))
+                         for j in range(len(prompt) - 1)]
 
     def abort(self, rid: int) -> bool:
         """End request ``rid`` now (its client went away): it leaves the queue or the batch with the tokens

@@ -189,17 +189,23 @@ class Gemma3LM(nnx.Module):
         x = self.embed_tokens(tokens)
         return x * jnp.asarray(math.sqrt(self.cfg.hidden_size), x.dtype)
 
-    def _logits(self, x):
+    def logits(self, x):
+        """Logits ``f32[N, vocab]`` of final hidden states ``[N, hidden]`` (``hidden``'s, or the paged ones)."""
         x = self.norm(x)
         logits = two_rows_at_least(self.embed_tokens.attend, x) if self.lm_head is None else self.lm_head(x)
         return capped(logits.astype(jnp.float32), self.cfg.final_soft_cap)
 
-    def dense(self, tokens: jax.Array) -> jax.Array:
-        """Logits ``f32[L, vocab]`` of one whole sequence, without any cache."""
+    def hidden(self, tokens: jax.Array) -> jax.Array:
+        """The last layer's hidden states ``[L, hidden]`` of one whole sequence ``i32[L]``, without any cache
+        (``logits`` turns them into logits)."""
         x = self._embed(tokens)
         for layer in self.layers:
             x = layer.dense(x)
-        return self._logits(x)
+        return x
+
+    def dense(self, tokens: jax.Array) -> jax.Array:
+        """Logits ``f32[L, vocab]`` of one whole sequence, without any cache."""
+        return self.logits(self.hidden(tokens))
 
     def paged(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, metadata: AttentionMetadata,
               impl: str = "auto", sample_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
@@ -208,4 +214,4 @@ class Gemma3LM(nnx.Module):
         x = self._embed(tokens)
         for layer in self.layers:
             x, cache = layer.paged(x, positions, cache, metadata, impl)
-        return self._logits(x if sample_at is None else x[sample_at]), cache
+        return self.logits(x if sample_at is None else x[sample_at]), cache

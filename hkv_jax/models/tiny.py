@@ -206,15 +206,21 @@ class TinyLM(nnx.Module):
     def _embed(self, tokens):
         return self.embed(tokens) * math.sqrt(self.cfg.hidden_size)
 
-    def _logits(self, x):
+    def logits(self, x):
+        """Logits ``f32[N, vocab]`` of final hidden states ``[N, hidden]`` (``hidden``'s, or the paged ones)."""
         return capped(self.embed.attend(self.norm(x)), self.cfg.final_soft_cap)
 
-    def dense(self, tokens: jax.Array) -> jax.Array:
-        """Logits ``f32[L, vocab]`` of one whole sequence, without any cache."""
+    def hidden(self, tokens: jax.Array) -> jax.Array:
+        """The last layer's hidden states ``[L, hidden]`` of one whole sequence ``i32[L]``, without any cache
+        (``logits`` turns them into logits)."""
         x = self._embed(tokens)
         for b in self.blocks:
             x = b.dense(x)
-        return self._logits(x)
+        return x
+
+    def dense(self, tokens: jax.Array) -> jax.Array:
+        """Logits ``f32[L, vocab]`` of one whole sequence, without any cache."""
+        return self.logits(self.hidden(tokens))
 
     def dense_states(self, tokens: jax.Array, length: jax.Array | int | None = None
                      ) -> dict[str, tuple[jax.Array, jax.Array]]:
@@ -239,4 +245,4 @@ class TinyLM(nnx.Module):
         x = self._embed(tokens)
         for b in self.blocks:
             x, cache = b.paged(x, positions, cache, metadata, impl)
-        return self._logits(x if sample_at is None else x[sample_at]), cache
+        return self.logits(x if sample_at is None else x[sample_at]), cache
