@@ -155,10 +155,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port < 65536 or args.max_logprobs < 0 or args.max_logit_bias < 0:
         raise CliError("--port must be in [0, 65536), --max-logprobs and --max-logit-bias >= 0")
+    if args.api_key is not None and not args.api_key.strip():
+        raise CliError("--api-key (or HKV_API_KEY) must not be empty")
     cfg = _demo_config(args)
     use_compilation_cache()
     engine, codec = build_engine(cfg, max_top_logprobs=args.max_logprobs, max_logit_bias=args.max_logit_bias)
-    server = CompletionServer(engine, codec or ByteCodec(), cfg.model)
+    server = CompletionServer(engine, codec or ByteCodec(), cfg.model, api_key=args.api_key)
     print(f"hkv serve: {cfg.model}, {engine.layout.max_requests} requests at once of up to "
           f"{engine.layout.max_model_len} tokens; compiling the step programs ...", file=sys.stderr)
     host, port = server.start(args.host, args.port, warm=True)
@@ -263,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-logit-bias", type=int, default=16,
                    help="most logit_bias entries a request may carry, plus one per EOS id under min_tokens "
                         "(default 16, 0: none)")
+    v.add_argument("--api-key", default=os.environ.get("HKV_API_KEY"),
+                   help="bearer token every /v1/ request must carry (default: $HKV_API_KEY; unset: none)")
     _pool_options(v)
     v.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling (and a tiny model's weights)")
     _engine_options(v)

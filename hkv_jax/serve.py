@@ -24,6 +24,10 @@ server (nothing more to install).
   the requests running and waiting and of the KV pool's free blocks, counters of tokens, prefix-cache
   hits, preemptions, steps and finished requests by finish reason).
 
+With an API key (``CompletionServer(..., api_key=)``, ``hkv serve --api-key`` or ``HKV_API_KEY``) every
+``/v1/`` path wants ``Authorization: Bearer <key>`` (status 401 otherwise, as OpenAI's); ``/health`` and
+``/metrics`` stay open, as vLLM's. There is no TLS: put a proxy in front to serve beyond the host.
+
 One thread owns the engine. Between steps it takes the requests the HTTP threads queued (and the aborts
 of clients that went away); it steps while there is work and hands each request's new text to the
 thread serving it. Bad input gets status 400 and OpenAI's error object, and nothing is queued.
@@ -31,6 +35,7 @@ thread serving it. Bad input gets status 400 and OpenAI's error object, and noth
 
 from __future__ import annotations
 
+import hmac
 import json
 import queue
 import select
@@ -69,10 +74,13 @@ class _Served:
 
 class CompletionServer:
     """``engine`` served over HTTP; ``codec`` encodes text prompts and decodes answers (``encode``,
-    ``decode``, ``eos_ids``: a ``TextCodec`` or ``ByteCodec``). ``start`` returns the address bound."""
+    ``decode``, ``eos_ids``: a ``TextCodec`` or ``ByteCodec``); ``api_key``: the bearer token ``/v1/``
+    paths want (None: none). ``start`` returns the address bound."""
 
-    def __init__(self, engine: Engine, codec, model_name: str):
-        self.engine, self.codec, self.model_name = engine, codec, model_name
+    def __init__(self, engine: Engine, codec, model_name: str, api_key: str | None = None):
+        if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+            raise ValueError("api_key must be a non-empty string (or None: no key)")
+        self.engine, self.codec, self.model_name, self.api_key = engine, codec, model_name, api_key
         if engine.detokenize is None:
             engine.detokenize = codec.decode
         self._inbox: queue.Queue = queue.Queue()
@@ -406,7 +414,22 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
             kind = "invalid_request_error" if status < 500 else "server_error"
             self._json(status, {"error": {"message": message, "type": kind, "code": status}})
 
+        def _refused(self) -> bool:
+            """Answer 401 to a ``/v1/`` request without the server's API key (compared in constant time)."""
+            key = server.api_key
+            if key is None or not self.path.startswith("/v1/"):
+                return False
+            given = self.headers.get("Authorization", "")
+            if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return False
+            self.close_connection = True  # its body is left unread
+            self._json(401, {"error": {"message": "a valid API key is needed (Authorization: Bearer <key>)",
+                                       "type": "invalid_request_error", "code": "invalid_api_key"}})
+            return True
+
         def do_GET(self):  # noqa: N802 - http.server's name
+            if self._refused():
+                return
             if self.path == "/health":
                 self._json(200, {"status": "ok"})
             elif self.path == "/metrics":
@@ -419,6 +442,8 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
                 self._error(404, f"no such path: {self.path}")
 
         def do_POST(self):  # noqa: N802
+            if self._refused():
+                return
             chat = {"/v1/completions": False, "/v1/chat/completions": True}.get(self.path)
             if chat is None:
                 self._error(404, f"no such path: {self.path}")

@@ -69,6 +69,7 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
         (["serve", "--port", "70000"], "--port must be in [0, 65536)"),
         (["serve", "--max-requests", "0"], "--max-requests must be positive"),
         (["serve", "--max-logit-bias", "-1"], "--max-logprobs and --max-logit-bias >= 0"),
+        (["serve", "--api-key", ""], "--api-key (or HKV_API_KEY) must not be empty"),
         (["serve", "--model", "tiny-gemma3", "--quantize", "int8"], "--quantize needs a real model"),
         (["serve", "--model", "gemma-3-27b"], "unknown model"),
     ],

@@ -42,10 +42,12 @@ def server():
     served.stop()
 
 
-def request(server, path: str, body=None, raw: bytes | None = None) -> tuple[int, object]:
-    """``(status, parsed JSON)``; a stream's answer as the list of its ``data:`` payloads; /metrics as text."""
+def request(server, path: str, body=None, raw: bytes | None = None, key: str | None = None) -> tuple[int, object]:
+    """``(status, parsed JSON)``; a stream's answer as the list of its ``data:`` payloads; /metrics as text.
+    ``key``: the API key to send."""
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(server.url + path, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"} | ({} if key is None else {"Authorization": f"Bearer {key}"})
+    req = urllib.request.Request(server.url + path, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=300) as resp:
             text = resp.read().decode()
@@ -293,6 +295,24 @@ def test_bad_requests_get_400_and_the_server_goes_on(server):
     body = {"prompt": "hi", "max_tokens": 4, "temperature": 0, "logit_bias": {"65": 100}, "min_tokens": 4}
     status, got = request(server, "/v1/completions", body)
     assert status == 200 and got["choices"][0]["text"] == "AAAA", got
+
+
+def test_an_api_key_guards_the_v1_paths_only(server):
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+    server.api_key = "s3cret"
+    try:
+        for path, sent, key in (("/v1/models", None, None), ("/v1/completions", body, None),
+                                ("/v1/completions", body, "wrong"), ("/v1/completions", body, "s3cret ")):
+            status, got = request(server, path, sent, key=key)
+            assert status == 401 and got["error"]["code"] == "invalid_api_key", (path, key, got)
+        assert request(server, "/v1/completions", body, key="s3cret")[0] == 200
+        assert request(server, "/v1/models", key="s3cret")[0] == 200
+        assert request(server, "/health")[0] == 200 and request(server, "/metrics")[0] == 200
+    finally:
+        server.api_key = None
+    assert request(server, "/v1/completions", body)[0] == 200
+    with pytest.raises(ValueError, match="api_key must be a non-empty string"):
+        CompletionServer(server.engine, CODEC, "tiny-gptoss", api_key=" ")
 
 
 @pytest.mark.parametrize("stream", [True, False])
