@@ -357,6 +357,25 @@ def test_the_load_benchmark_times_streamed_requests_of_the_asked_length(server):
         assert 0 < r["ttft_ms_p50"] <= r["latency_ms_p50"] and r["tpot_ms_p50"] > 0 and r["output_tokens_per_s"] > 0
 
 
+def test_the_scoring_example_sums_the_continuations_log_probabilities(server):
+    """``examples/score_choices.py`` (lm-eval's way of scoring a continuation through ``echo``) against this
+    server: each choice's log-likelihood is the sum of the engine's prompt log-probabilities over the
+    continuation's tokens, greedy when each is the likeliest, and the pick is the likeliest choice."""
+    script = Path(__file__).parent.parent / "examples" / "score_choices.py"
+    proc = subprocess.run([sys.executable, str(script), "--url", server.url, "--json"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(proc.stdout)["results"]
+    assert len(results) == 5
+    for r in results:
+        for choice, loglikelihood, greedy in zip(r["choices"], r["loglikelihood"], r["greedy"]):
+            tokens = CODEC.encode(r["context"] + choice)
+            scored = server.engine.prompt_logprobs(tokens, 1)[len(CODEC.encode(r["context"])):]
+            assert loglikelihood == pytest.approx(sum(lp for lp, _ in scored), abs=1e-4)
+            assert greedy == all(top[0][0] == t for t, (_, top) in zip(tokens[-len(scored):], scored))
+        assert r["pick"] == int(np.argmax(r["loglikelihood"]))
+
+
 def test_the_warm_up_compiles_every_admission_size_and_changes_nothing():
     """``Engine.compile_admissions`` (run by ``warm_up``) compiles the admission program for every prompt
     buffer a step can send (up to 2 requests x 40 tokens: 64 and 128 tokens) and leaves the state as it
