@@ -20,6 +20,8 @@ server (nothing more to install).
   instead of ``prompt``, ``max_completion_tokens`` or ``max_tokens`` (default: up to the engine's
   ``max_model_len``), and ``logprobs: true`` with ``top_logprobs``; each answer choice's ``message``
   (a stream's ``delta``) holds the text.
+- ``POST /tokenize`` (``prompt``, or chat ``messages``; ``add_special_tokens``, default true: the BOS) and
+  ``POST /detokenize`` (``tokens``), as vLLM's: the server's own tokenizer, for clients without it.
 - ``GET /v1/models``, ``GET /health``, and ``GET /metrics``: Prometheus' text format (``hkv_`` gauges of
   the requests running and waiting and of the KV pool's free blocks, counters of tokens, prefix-cache
   hits, preemptions, steps and finished requests by finish reason).
@@ -30,7 +32,8 @@ With an API key (``CompletionServer(..., api_key=)``, ``hkv serve --api-key`` or
 
 One thread owns the engine. Between steps it takes the requests the HTTP threads queued (and the aborts
 of clients that went away); it steps while there is work and hands each request's new text to the
-thread serving it. Bad input gets status 400 and OpenAI's error object, and nothing is queued.
+thread serving it. Bad input gets status 400 and OpenAI's error object, and nothing is queued. A field
+given as ``null`` counts as absent, as in OpenAI's API.
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ class CompletionServer:
         ``index``. ``ValueError`` (``BadRequest``) for malformed fields."""
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
+        body = {k: v for k, v in body.items() if v is not None}  # null: absent
         for name, value in _FIXED.items():
             if body.get(name, value) != value:
                 raise BadRequest(f"{name} must be {json.dumps(value)} here")
@@ -193,6 +197,26 @@ class CompletionServer:
         if None in prompts:
             raise BadRequest("prompt must be a non-empty string, a list of token ids, or a list of either")
         return prompts, [p if isinstance(p, str) else None for p in batch]
+
+    def tokenize(self, body) -> dict:
+        """``POST /tokenize``: the token ids of ``prompt`` (text), or of chat ``messages`` in the chat format;
+        ``add_special_tokens`` (default true) puts the BOS first. ``BadRequest`` for a malformed body."""
+        if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+            raise BadRequest("tokenize wants an object with a prompt or messages")
+        text = gemma_chat(body["messages"]) if "messages" in body else body["prompt"]
+        special = body.get("add_special_tokens", True)
+        if not isinstance(text, str) or type(special) is not bool:
+            raise BadRequest("prompt must be a string, add_special_tokens true or false")
+        tokens = self.codec.encode(text, bos=special)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.layout.max_model_len}
+
+    def detokenize(self, body) -> dict:
+        """``POST /detokenize``: the text of ``tokens`` (ids in the vocabulary). ``BadRequest`` otherwise."""
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        vocab = self.engine.vocab_size
+        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+            raise BadRequest(f"detokenize wants tokens: a list of ids in [0, {vocab})")
+        return {"prompt": self.codec.decode(tokens)}
 
     def abort(self, rids: list[int]) -> None:
         """End the requests ``rids`` (their client went away)."""
@@ -445,11 +469,15 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
             if self._refused():
                 return
             chat = {"/v1/completions": False, "/v1/chat/completions": True}.get(self.path)
-            if chat is None:
+            tool = {"/tokenize": server.tokenize, "/detokenize": server.detokenize}.get(self.path)
+            if chat is None and tool is None:
                 self._error(404, f"no such path: {self.path}")
                 return
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
+                if tool is not None:
+                    self._json(200, tool(body))
+                    return
                 replies, top = server.submit(body, chat)
             except ValueError as e:  # malformed JSON or fields
                 self._error(400, str(e))

@@ -297,6 +297,26 @@ def test_bad_requests_get_400_and_the_server_goes_on(server):
     assert status == 200 and got["choices"][0]["text"] == "AAAA", got
 
 
+def test_tokenize_detokenize_and_null_fields(server):
+    """``/tokenize`` and ``/detokenize`` use the server's codec (a chat's messages in the chat format); a
+    completion field given as null counts as absent."""
+    status, got = request(server, "/tokenize", {"prompt": "h\u00e9llo"})
+    assert status == 200 and got == {"tokens": CODEC.encode("h\u00e9llo"), "count": 6, "max_model_len": 96}
+    messages = [{"role": "user", "content": "Hi"}]
+    assert request(server, "/tokenize", {"messages": messages})[1]["tokens"] == CODEC.encode(gemma_chat(messages))
+    assert request(server, "/detokenize", {"tokens": got["tokens"]}) == (200, {"prompt": "h\u00e9llo"})
+    for path, body, message in (("/detokenize", {"tokens": [256]}, "a list of ids in [0, 256)"),
+                                ("/tokenize", {"prompt": 3}, "prompt must be a string"),
+                                ("/tokenize", {}, "a prompt or messages"),
+                                ("/tokenize", {"messages": []}, "messages must be a non-empty list")):
+        status, got = request(server, path, body)
+        assert status == 400 and message in got["error"]["message"], (path, body, got)
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 0, "logprobs": None, "stop": None, "seed": None,
+            "n": None, "echo": None, "stream_options": None}
+    status, got = request(server, "/v1/completions", body)
+    assert status == 200 and got["usage"]["completion_tokens"] == 2 and got["choices"][0]["logprobs"] is None
+
+
 def test_an_api_key_guards_the_v1_paths_only(server):
     body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
     server.api_key = "s3cret"
