@@ -192,3 +192,21 @@ def test_dispatch_picks_by_platform_and_refuses_unknown_impls():
     np.testing.assert_allclose(np.asarray(kernels_pallas.paged_attention(*args)), 1.0)
     with pytest.raises(ValueError, match="unknown impl"):
         kernels_pallas.paged_attention(*args, impl="cuda")
+
+
+@pytest.mark.parametrize("window, chunk, soft_cap, with_sinks", [(40, None, None, True), (None, 100, 5.0, False),
+                                                                  (None, None, None, False)])
+def test_the_models_dense_attention_in_query_blocks_equals_the_oracle(monkeypatch, window, chunk, soft_cap,
+                                                                       with_sinks):
+    """The models' uncached attention (``hkv_jax.models.tiny.dense_attention``, which prompt log-probabilities
+    run on) over a sequence of several query blocks (4 blocks of 64 rows here) against the numpy oracle."""
+    from hkv_jax.models import tiny
+
+    monkeypatch.setattr(tiny, "DENSE_QUERY_BLOCK", 64)
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.normal(size=(256, h, 32)).astype(np.float32) for h in (4, 2, 2))
+    sinks = rng.normal(size=4).astype(np.float32) if with_sinks else None
+    got = tiny.dense_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), window=window, chunk=chunk,
+                               soft_cap=soft_cap, sinks=None if sinks is None else jnp.asarray(sinks))
+    params = AttentionParams(sliding_window=window, chunk_size=chunk, soft_cap=soft_cap)
+    np.testing.assert_allclose(np.asarray(got), dense_attention(q, k, v, params, sinks), atol=2e-5, rtol=0)
