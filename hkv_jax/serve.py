@@ -32,7 +32,8 @@ With an API key (``CompletionServer(..., api_key=)``, ``hkv serve --api-key`` or
 
 One thread owns the engine. Between steps it takes the requests the HTTP threads queued (and the aborts
 of clients that went away); it steps while there is work and hands each request's new text to the
-thread serving it. Bad input gets status 400 and OpenAI's error object, and nothing is queued. A field
+thread serving it. ``echo``'s prompt log-probabilities are computed in the client's own thread (they read
+only the parameters), so a long prompt does not hold up the steps. Bad input gets status 400 and OpenAI's error object, and nothing is queued. A field
 given as ``null`` counts as absent, as in OpenAI's API.
 """
 
@@ -179,7 +180,9 @@ class CompletionServer:
                    "logprobs": top is not None, "top_logprobs": top or 0,
                    **{name: body[name] for name in _SAMPLING if name in body}}
         replies: queue.Queue = queue.Queue()
-        self._inbox.put(("add", request, prompts, n, replies, top, texts if echo else None))
+        # Scored here, in the client's thread: a long prompt's forward does not hold up the engine's steps.
+        echoed = [self._echo(p, text, top) for p, text in zip(prompts, texts)] if echo else None
+        self._inbox.put(("add", request, prompts, n, replies, top, echoed))
         return replies, top
 
     def _prompts(self, prompt) -> tuple[list[list[int]], list[str | None]]:
@@ -197,6 +200,22 @@ class CompletionServer:
         if None in prompts:
             raise BadRequest("prompt must be a non-empty string, a list of token ids, or a list of either")
         return prompts, [p if isinstance(p, str) else None for p in batch]
+
+    def _echo(self, prompt: list[int], text: str | None, top: int | None) -> tuple[str, list]:
+        """What ``echo`` puts before each choice's answer: the prompt's ``text`` (None: its tokens' text)
+        and, when the request asks for log-probabilities, its tokens' entries (as ``_logprobs``'; the first
+        token has no log-probability and no likeliest tokens). ``ValueError`` for a prompt the engine
+        refuses. It reads only the engine's parameters, so any thread may call it."""
+        decode = self.codec.decode
+        prompt = self.engine.check_prompt(prompt)  # echo alone adds no engine request, which would check it
+        text = decode(prompt) if text is None else text
+        if top is None:
+            return text, []
+        scored = self.engine.prompt_logprobs(prompt, top)
+        entries = [(decode([prompt[0]]), None, None)]
+        entries += [(decode([t]), v, [(decode([u]), w) for u, w in likeliest])
+                    for t, (v, likeliest) in zip(prompt[1:], scored[1:])]
+        return text, entries
 
     def tokenize(self, body) -> dict:
         """``POST /tokenize``: the token ids of ``prompt`` (text), or of chat ``messages`` in the chat format;
@@ -266,11 +285,10 @@ class CompletionServer:
             self._drop(running)
             self._counts["finished"]["abort"] += len(running)
             return
-        _, request, prompts, n, replies, top, echo = item  # echo: each prompt's text (None: decode it)
+        _, request, prompts, n, replies, top, echoed = item  # echoed: each prompt's echo, or None
         new, seed = request.pop("max_new_tokens"), request.pop("seed", None)
         rids = []
         try:
-            echoed = None if echo is None else [self._echo(p, text, top) for p, text in zip(prompts, echo)]
             for prompt in prompts:
                 for i in range(n if new else 0):  # echo with max_tokens 0: the prompts only
                     rids.append(self.engine.add_request(prompt, new, **request,
@@ -336,21 +354,6 @@ class CompletionServer:
         lines += [f'hkv_requests_finished_total{{finish_reason="{reason}"}} {count}'
                   for reason, count in sorted(counts["finished"].items())]
         return "\n".join(lines) + "\n"
-
-    def _echo(self, prompt: list[int], text: str | None, top: int | None) -> tuple[str, list]:
-        """What ``echo`` puts before each choice's answer: the prompt's ``text`` (None: its tokens' text)
-        and, when the request asks for log-probabilities, its tokens' entries (as ``_logprobs``'; the first
-        token has no log-probability and no likeliest tokens)."""
-        decode = self.codec.decode
-        prompt = self.engine.check_prompt(prompt)  # echo alone adds no engine request, which would check it
-        text = decode(prompt) if text is None else text
-        if top is None:
-            return text, []
-        scored = self.engine.prompt_logprobs(prompt, top)
-        entries = [(decode([prompt[0]]), None, None)]
-        entries += [(decode([t]), v, [(decode([u]), w) for u, w in likeliest])
-                    for t, (v, likeliest) in zip(prompt[1:], scored[1:])]
-        return text, entries
 
     def _logprobs(self, served: _Served, r) -> list:
         """``(text, log-probability, [(text, log-probability)] of the likeliest)`` per token of ``r`` not
