@@ -33,8 +33,8 @@ With an API key (``CompletionServer(..., api_key=)``, ``hkv serve --api-key`` or
 One thread owns the engine. Between steps it takes the requests the HTTP threads queued (and the aborts
 of clients that went away); it steps while there is work and hands each request's new text to the
 thread serving it. ``echo``'s prompt log-probabilities are computed in the client's own thread (they read
-only the parameters), so a long prompt does not hold up the steps. Bad input gets status 400 and OpenAI's error object, and nothing is queued. A field
-given as ``null`` counts as absent, as in OpenAI's API.
+only the parameters), so a long prompt does not hold up the steps. Bad input gets status 400 and OpenAI's
+error object, and nothing is queued. A field given as ``null`` counts as absent, as in OpenAI's API.
 """
 
 from __future__ import annotations
