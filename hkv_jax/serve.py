@@ -206,16 +206,20 @@ class CompletionServer:
         and, when the request asks for log-probabilities, its tokens' entries (as ``_logprobs``'; the first
         token has no log-probability and no likeliest tokens). ``ValueError`` for a prompt the engine
         refuses. It reads only the engine's parameters, so any thread may call it."""
-        decode = self.codec.decode
-        prompt = self.engine.check_prompt(prompt)  # echo alone adds no engine request, which would check it
-        text = decode(prompt) if text is None else text
         if top is None:
-            return text, []
-        scored = self.engine.prompt_logprobs(prompt, top)
-        entries = [(decode([prompt[0]]), None, None)]
-        entries += [(decode([t]), v, [(decode([u]), w) for u, w in likeliest])
-                    for t, (v, likeliest) in zip(prompt[1:], scored[1:])]
-        return text, entries
+            self.engine.check_prompt(prompt)  # echo alone adds no engine request, which would check it
+            entries = []
+        else:  # prompt_logprobs checks the prompt
+            scored = self.engine.prompt_logprobs(prompt, top)
+            entries = [self._entry(prompt[0], None, None)]
+            entries += [self._entry(t, v, likeliest) for t, (v, likeliest) in zip(prompt[1:], scored[1:])]
+        return self.codec.decode(prompt) if text is None else text, entries
+
+    def _entry(self, token: int, logprob: float | None, likeliest: list | None) -> tuple:
+        """One token's log-probability entry: ``(text, log-probability, [(text, log-probability)] of the
+        likeliest tokens)`` (None: none listed)."""
+        decode = self.codec.decode
+        return decode([token]), logprob, None if likeliest is None else [(decode([u]), w) for u, w in likeliest]
 
     def tokenize(self, body) -> dict:
         """``POST /tokenize``: the token ids of ``prompt`` (text), or of chat ``messages`` in the chat format;
@@ -356,13 +360,10 @@ class CompletionServer:
         return "\n".join(lines) + "\n"
 
     def _logprobs(self, served: _Served, r) -> list:
-        """``(text, log-probability, [(text, log-probability)] of the likeliest)`` per token of ``r`` not
-        sent yet."""
-        decode = self.codec.decode
+        """The entries (``_entry``) of ``r``'s tokens not sent yet."""
         new = range(served.sent, len(r.generated))
         served.sent = len(r.generated)
-        return [(decode([r.generated[i]]), r.logprobs[i],
-                 [(decode([t]), v) for t, v in r.top_logprobs[i]] if served.top else []) for i in new]
+        return [self._entry(r.generated[i], r.logprobs[i], r.top_logprobs[i] if served.top else []) for i in new]
 
 
 class _Answer:
