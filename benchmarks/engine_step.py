@@ -19,7 +19,9 @@ attention) for decode steps at the given batch sizes; its excess over the no-op 
 per-request path (one ``schedule`` per request, ``vectorised=False``), ``multi`` the vectorised one with
 ``Engine(decode_steps=K)`` (``--decode-steps``: up to K decode steps per ``step()`` call, one program;
 each of its steps is charged its call's time / the steps the call ran; a list such as ``8,16`` gives a
-row per K), measured in the same run. Decode times are medians over the decode steps (``decode_step_us``)
+row per K), ``served`` what ``hkv serve``, ``generate`` and ``demo`` run (``GenerateConfig``'s
+``decode_steps`` and ``max_call_seconds``: up to 32 steps a call, as many as fit 20 ms at the last call's
+rate), measured in the same run. Decode times are medians over the decode steps (``decode_step_us``)
 and means (``decode_step_mean_us``: the median leaves out the slow steps where every request takes a
 block, the first decode step's window releases and the cold caches after the prefill, while the multi
 path spreads them over their call's steps), prefill the median over ``--repeats`` fresh engines after a
@@ -33,7 +35,7 @@ charges per array passed in and out, about 3 us each on this CPU; the KV memory 
 tensor, 32 for full32).
 
 Run: ``python benchmarks/engine_step.py [--models full32,gemma3,gptoss] [--batch 64,256,1024]
-[--paths new,old,multi] [--decode-steps 8[,16]] [--decode 32] [--repeats 3] [--model-share 64,256]
+[--paths new,old,multi,served] [--decode-steps 8[,16]] [--decode 32] [--repeats 3] [--model-share 64,256]
 [--window-aware-eviction] [--json]``.
 """
 
@@ -55,6 +57,7 @@ import machine
 import allocator_step
 from allocator_step import BS, MODELS, NUM_LAYERS, PROMPT
 from hkv_jax.engine import Engine
+from hkv_jax.generate import GenerateConfig
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 from hkv_jax.planner import cdiv, plan
 from hkv_jax.spec import layers_from_trace
@@ -86,13 +89,14 @@ def workload_layers(name: str, head_size: int):
 
 
 def make_engine(model, layers, batch: int, decode: int, vectorised: bool, decode_steps: int = 1,
-                early: bool = False) -> Engine:
+                early: bool = False, max_call_seconds: float | None = None) -> Engine:
     groups = len(plan(layers, block_size=BS, policy="vllm", num_blocks=2).groups)
     per_req = cdiv(PROMPT + decode + BS, BS)
     nb = batch * per_req * (groups + 1) + 64  # the oracle's pool size, as allocator_step.py
     return Engine(model, num_blocks=nb, block_size=BS, max_requests=batch, max_model_len=PROMPT + decode + 2 * BS,
                   token_budget=batch * PROMPT, token_buckets=(batch, batch * PROMPT), policy="vllm",
-                  impl="reference", vectorised=vectorised, decode_steps=decode_steps, window_aware_eviction=early)
+                  impl="reference", vectorised=vectorised, decode_steps=decode_steps, window_aware_eviction=early,
+                  max_call_seconds=max_call_seconds)
 
 
 def timed_step(engine: Engine) -> tuple[float, float]:
@@ -124,20 +128,23 @@ def dispatch_floor(engine: Engine, runs: int = 200) -> float:
 
 def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int, k: int = 1,
             early: bool = False) -> dict:
-    """One row: ``path`` with up to ``k`` decode steps a call (``k`` > 1 only on the multi path); ``early``:
-    window-aware eviction."""
+    """One row: ``path`` with up to ``k`` decode steps a call (``k`` > 1 only on the multi path; the served
+    path's are ``GenerateConfig``'s); ``early``: window-aware eviction."""
     layers = workload_layers(model_name, head_size=1)
     model = NoOpLM(layers)
     vectorised = path != "old"
+    budget = None
+    if path == "served":
+        k, budget = GenerateConfig.decode_steps, GenerateConfig.max_call_seconds
     # Warm-up engine: compiles prepare (this prompt size) and the step programs (the prefill, the first decode
-    # step's full program, then the lean or multi-step one).
-    eng = make_engine(model, layers, batch, decode, vectorised, k, early)
+    # step's full program, then the lean or multi-step one; the served path times one-step calls first).
+    eng = make_engine(model, layers, batch, decode, vectorised, k, early, budget)
     add_requests(eng, batch, decode, seed=0)
-    for _ in range(3):
+    for _ in range(3 if budget is None else 6):
         eng.step()
     prefill, prefill_dev = [], []
     for r in range(repeats):
-        eng = make_engine(model, layers, batch, decode, vectorised, k, early)
+        eng = make_engine(model, layers, batch, decode, vectorised, k, early, budget)
         add_requests(eng, batch, decode, seed=r + 1)
         wall, dev = timed_step(eng)
         prefill.append(wall)
@@ -154,7 +161,7 @@ def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int, k
     if eng.stats.preemptions:
         raise RuntimeError("a decode step preempted: the pool is too small")
     us = lambda xs: round(statistics.median(xs) * 1e6, 1)
-    return {"model": model_name, "batch": batch, "path": path, "decode_steps": k, "window_aware_eviction": early,
+    return {"model": model_name, "batch": batch, "path": path, "decode_steps": k, "max_call_seconds": budget, "window_aware_eviction": early,
             "num_blocks": eng.layout.num_blocks,
             "groups": eng.layout.num_groups, "programs": eng.stats.bucket_steps,
             "decode_step_us": us(steps), "decode_step_mean_us": round(statistics.mean(steps) * 1e6, 1),
@@ -189,7 +196,8 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="full32,gemma3,gptoss")
     p.add_argument("--batch", default="64,256,1024")
     p.add_argument("--paths", default="new,old",
-                   help="new (vectorised allocator), old (per request), multi (new, several decode steps a call)")
+                   help="new (vectorised allocator), old (per request), multi (new, several decode steps a call), "
+                        "served (what hkv serve runs: up to 32 steps a call, as many as fit 20 ms)")
     p.add_argument("--decode-steps", default="8", help="decode steps per call on the multi path (a list: a row each)")
     p.add_argument("--decode", type=int, default=32, help="decode steps timed")
     p.add_argument("--repeats", type=int, default=3, help="prefills timed (fresh engines), after a warm-up")
@@ -206,8 +214,8 @@ def main(argv=None) -> int:
         p.error("--decode-steps: at least 2 (1 is the new path)")
     runs = []
     for path in a.paths.split(","):
-        if path not in ("new", "old", "multi"):
-            p.error(f"unknown path {path!r}: new, old or multi")
+        if path not in ("new", "old", "multi", "served"):
+            p.error(f"unknown path {path!r}: new, old, multi or served")
         runs += [(path, k) for k in ks] if path == "multi" else [(path, 1)]
     rows, shares = [], []
     for m in a.models.split(","):

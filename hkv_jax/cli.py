@@ -94,20 +94,32 @@ def use_compilation_cache() -> str | None:
 _POOL_SIZES = ("num_blocks", "max_model_len", "max_requests", "token_budget")
 
 
+def _decode_options(args: argparse.Namespace) -> dict:
+    """``--decode-steps`` and ``--max-call-ms`` as config fields, those given only (the configs hold the
+    defaults), checked."""
+    _positive(args, "decode_steps")
+    options = {} if args.decode_steps is None else {"decode_steps": args.decode_steps}
+    if args.max_call_ms is not None:
+        if not 0 <= args.max_call_ms < float("inf"):
+            raise CliError(f"--max-call-ms must be >= 0 (0: no bound), got {args.max_call_ms}")
+        options["max_call_seconds"] = args.max_call_ms / 1e3 or None
+    return options
+
+
 def _demo_config(args: argparse.Namespace, **fields):
     """The ``DemoConfig`` of ``demo`` or ``serve`` (``_pool_options``, ``_engine_options``, ``--model``,
     ``--seed``; ``fields``: more of its fields), checked before anything is loaded or compiled."""
     from hkv_jax.demo import DemoConfig, default_model
     from hkv_jax.models.pretrained import is_pretrained
 
-    _positive(args, *_POOL_SIZES, "decode_steps")
+    _positive(args, *_POOL_SIZES)
     if args.seed < 0:
         raise CliError(f"--seed must be >= 0, got {args.seed}")
     sizes = {k: getattr(args, k) for k in _POOL_SIZES if getattr(args, k) is not None}
     model = args.model or default_model()
     if args.quantize and not is_pretrained(model):
         raise CliError(f"--quantize needs a real model (gemma-3-270m, a .gguf file or a checkpoint), not {model}")
-    return replace(DemoConfig(model=model, seed=args.seed, quantize=args.quantize, decode_steps=args.decode_steps,
+    return replace(DemoConfig(model=model, seed=args.seed, quantize=args.quantize, **_decode_options(args),
                               **fields), **sizes)
 
 
@@ -123,7 +135,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from hkv_jax.generate import GenerateConfig, generate
 
-    _positive(args, "max_new_tokens", "decode_steps")
+    _positive(args, "max_new_tokens")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= args.min_p <= 1:
         raise CliError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0 and --min-p in [0, 1]")
     if not 0 < args.repetition_penalty < float("inf"):
@@ -138,7 +150,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                          repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                          frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), seed=args.seed,
-                         quantize=args.quantize, decode_steps=args.decode_steps)
+                         quantize=args.quantize, **_decode_options(args))
     use_compilation_cache()
     result = generate(cfg, args.prompt, progress=not args.json, out=sys.stderr if args.json else sys.stdout)
     if args.json:
@@ -187,8 +199,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     """The serving options ``demo`` and ``generate`` share."""
     p.add_argument("--quantize", choices=QUANTIZE, help="int8 weights for a real model's linear layers and output "
                                                         "(faster on a CPU; generations drift from float32's)")
-    p.add_argument("--decode-steps", type=int, default=1,
-                   help="decode steps per compiled program while every request decodes (default 1)")
+    p.add_argument("--decode-steps", type=int,
+                   help="most decode steps per compiled program while every request decodes (default 32; 1: "
+                        "one step a program)")
+    p.add_argument("--max-call-ms", type=float,
+                   help="with --decode-steps > 1: as many decode steps a program as fit this many milliseconds "
+                        "at the last measured rate, so new requests and streamed tokens wait at most about that "
+                        "long (default 20; 0: no bound)")
 
 
 def build_parser() -> argparse.ArgumentParser:

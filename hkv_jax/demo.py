@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from hkv_jax.engine import Engine
-from hkv_jax.generate import engine_for
+from hkv_jax.generate import GenerateConfig, engine_for
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.pretrained import INSTALL_HINT, is_pretrained, load_pretrained
 from hkv_jax.models.tiny import TinyConfig, TinyLM
@@ -65,7 +65,8 @@ class DemoConfig:
     seed: int = 0
     window_aware_eviction: bool = False
     quantize: str | None = None        # "int8" (a real model only): int8 weights
-    decode_steps: int = 1              # decode steps per program (Engine(decode_steps=...))
+    decode_steps: int = GenerateConfig.decode_steps          # as in ``GenerateConfig``
+    max_call_seconds: float | None = GenerateConfig.max_call_seconds
 
 
 def default_model() -> str:
@@ -86,7 +87,7 @@ def build_engine(cfg: DemoConfig, **engine_options):
         model, codec = load_pretrained(cfg.model, quantize=cfg.quantize)
         return engine_for(model, cfg.max_model_len or 512, num_blocks=cfg.num_blocks, max_requests=cfg.max_requests, block_size=cfg.block_size,
                           token_budget=cfg.token_budget, seed=cfg.seed, decode_steps=cfg.decode_steps,
-                          window_aware_eviction=cfg.window_aware_eviction, detokenize=codec.decode,
+                          max_call_seconds=cfg.max_call_seconds, window_aware_eviction=cfg.window_aware_eviction, detokenize=codec.decode,
                           **engine_options), codec
     if cfg.model not in TINY_MODELS:
         raise ValueError(f"unknown model {cfg.model!r}; choose {DEFAULT_REAL} or one of {', '.join(TINY_MODELS)}")
@@ -99,6 +100,7 @@ def build_engine(cfg: DemoConfig, **engine_options):
                   # One step program: a tiny model's decode steps gain little from their own, and each
                   # program costs tens of seconds to compile on a CPU.
                   token_buckets=(cfg.token_budget,), decode_steps=cfg.decode_steps,
+                  max_call_seconds=cfg.max_call_seconds,
                   window_aware_eviction=cfg.window_aware_eviction, **engine_options), None
 
 

@@ -38,7 +38,8 @@ class GenerateConfig:
     token_budget: int = 256
     kv_dtype: str = "float32"
     quantize: str | None = None   # "int8": int8 weights (hkv_jax.models.quant)
-    decode_steps: int = 1         # decode steps per program (Engine(decode_steps=...))
+    decode_steps: int = 32        # most decode steps per program (Engine(decode_steps=...)) ...
+    max_call_seconds: float | None = 0.02  # ... as many as fit this (Engine(max_call_seconds=...))
     seed: int = 0
 
 
@@ -67,7 +68,7 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
     ids = codec.encode(gemma_chat([{"role": "user", "content": prompt}]) if cfg.chat else prompt)
     engine = engine_for(model, len(ids) + cfg.max_new_tokens, block_size=cfg.block_size,
                         token_budget=cfg.token_budget, seed=cfg.seed, decode_steps=cfg.decode_steps,
-                        detokenize=codec.decode)
+                        max_call_seconds=cfg.max_call_seconds, detokenize=codec.decode)
     engine.temperature, engine.top_p, engine.top_k, engine.min_p = cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p
     engine.repetition_penalty = cfg.repetition_penalty
     engine.presence_penalty, engine.frequency_penalty = cfg.presence_penalty, cfg.frequency_penalty

@@ -56,6 +56,8 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
         (["demo", "--seed", "-1"], "--seed must be >= 0"),
         (["demo", "--model", "tiny-gemma3", "--quantize", "int8"], "--quantize needs a real model"),
         (["demo", "--decode-steps", "0"], "--decode-steps must be positive"),
+        (["serve", "--max-call-ms", "-5"], "--max-call-ms must be >= 0 (0: no bound), got -5.0"),
+        (["generate", "hi", "--max-call-ms", "inf"], "--max-call-ms must be >= 0"),
         (["generate", "hi", "--quantize", "int4"], "invalid choice: 'int4'"),
         (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
         (["generate", "  "], "the prompt is empty"),

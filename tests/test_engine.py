@@ -553,6 +553,9 @@ def test_bad_requests_are_refused_with_clear_errors():
         Engine(model, num_blocks=12, block_size=8, max_requests=2, max_model_len=16)
     with pytest.raises(ValueError, match="token_budget must be a positive integer"):
         Engine(model, num_blocks=64, token_budget=0)
+    for seconds in (0, -0.02, float("inf"), float("nan"), True, "0.02"):
+        with pytest.raises(ValueError, match="max_call_seconds must be a positive number of seconds or None"):
+            Engine(model, num_blocks=64, decode_steps=8, max_call_seconds=seconds)
     eng = Engine(model, num_blocks=26, block_size=8, max_requests=2, max_model_len=32,
                  token_budget=16, impl="reference")
     with pytest.raises(ValueError, match="max_model_len"):

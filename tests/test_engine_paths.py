@@ -111,7 +111,11 @@ def test_multi_step_decoding_equals_single_steps():
     tokens, greedy then sampled, a pool small enough to preempt): the same tokens in the same order, the
     same allocator state and host queues after every call, and calls that ran several steps. The calls
     return arrays (``step_tokens``), and the requests read every fifth call (their pending tokens then
-    booked) show what the single-step engine's show."""
+    booked) show what the single-step engine's show.
+
+    In the second round the engine has ``max_call_seconds`` (1 s), and each call's rate is set before it
+    (none timed yet, 0.5 or 0.25 s a step): a call runs at most 1, 2 or 4 steps, some run exactly that,
+    and decode calls time themselves."""
     rng = np.random.default_rng(11)
     multi, single = _engines("sliding+mamba+full", seed=3, kinds=({"decode_steps": 4}, {}))
     system = rng.integers(0, 256, 20).tolist()
@@ -122,14 +126,22 @@ def test_multi_step_decoding_equals_single_steps():
         new = int(rng.integers(8, 40))
         assert multi.add_request(prompt, new, stop=stop) == single.add_request(prompt, new, stop=stop)
 
-    calls = 0
+    calls, rates, most, timed = 0, (None, 0.5, 0.25), {}, 0
     for round_ in range(2):
         for e in (multi, single):
             e.temperature = 0.9 if round_ == 1 else 0.0
+        multi.max_call_seconds = 1.0 if round_ == 1 else None
         for _ in range(6):
             submit()
         while multi.has_work:
+            multi._step_seconds = rate = rates[calls % 3]
+            steps = multi.stats.steps
             rids, tokens = multi.step_tokens()
+            if round_ == 1:
+                limit = 1 if rate is None else int(1.0 / rate)
+                assert multi.stats.steps - steps <= limit, f"call {calls}"
+                most[limit] = max(most.get(limit, 0), multi.stats.steps - steps)
+                timed += multi._step_seconds not in rates
             want = single.step()
             while single.stats.steps < multi.stats.steps:
                 want += single.step()
@@ -146,6 +158,7 @@ def test_multi_step_decoding_equals_single_steps():
     assert {rid: r.generated for rid, r in multi.requests.items()} == \
         {rid: r.generated for rid, r in single.requests.items()}
     assert multi.stats.multi_step_calls > 0 and calls < multi.stats.steps
+    assert most == {1: 1, 2: 2, 4: 4} and timed > 0
 
 
 def test_a_plan_goes_to_the_device_once_and_again_when_it_changes():

@@ -298,6 +298,14 @@ class Engine:
     and leaves the last one's logits in ``last_output``. The tokens and the states equal those of single
     steps. 1 (the default) runs one step per call.
 
+    ``max_call_seconds`` (with ``decode_steps > 1``): about the longest such a call should take, since a
+    request that arrives meanwhile waits for it and its tokens stream out at its end. A call then runs as
+    many steps as fit at the last timed decode call's seconds per step (at most ``decode_steps``), and one
+    step until a call has been timed; calls that compiled a program are not timed. So cheap steps (a
+    small model, an accelerator) share one dispatch and report read, and slow ones run one at a time.
+    ``None`` (the default): always up to ``decode_steps``. ``hkv demo``, ``generate`` and ``serve`` run
+    ``decode_steps=32, max_call_seconds=0.02``.
+
     ``temperature`` (0, the default: greedy), ``top_p`` (1.0), ``top_k`` (0: none), ``min_p`` (0.0),
     ``repetition_penalty`` (1.0: none), ``presence_penalty`` and ``frequency_penalty`` (0.0) are the
     sampling of the requests that set none of their own (``add_request``), read and checked at every
@@ -321,13 +329,16 @@ class Engine:
                  impl: str = "auto", seed: int = 0, prefix_caching: bool = True,
                  window_aware_eviction: bool = False, vectorised: bool = True,
                  token_buckets: tuple[int, ...] | None = None, mesh: jax.sharding.Mesh | None = None,
-                 decode_steps: int = 1, detokenize: Callable[[list[int]], str] | None = None,
+                 decode_steps: int = 1, max_call_seconds: float | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None,
                  max_top_logprobs: int = 0, max_logit_bias: int = 0):
         for name, value in (("token_budget", token_budget), ("max_requests", max_requests),
                             ("max_model_len", max_model_len), ("block_size", block_size),
                             ("decode_steps", decode_steps)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if max_call_seconds is not None and not (_number(max_call_seconds) and 0 < max_call_seconds < float("inf")):
+            raise ValueError(f"max_call_seconds must be a positive number of seconds or None, got {max_call_seconds!r}")
         if not _integer(max_top_logprobs) or not 0 <= max_top_logprobs <= model.cfg.vocab_size:
             raise ValueError(f"max_top_logprobs must be an integer in [0, vocab_size], got {max_top_logprobs!r}")
         if not _integer(max_logit_bias) or not 0 <= max_logit_bias <= model.cfg.vocab_size:
@@ -361,6 +372,8 @@ class Engine:
         self._lean = [replace(s, lean=True) for s in self.statics]
         self.vectorised = vectorised
         self.decode_steps = decode_steps if vectorised else 1  # the per-request engine: one step a call
+        self.max_call_seconds = max_call_seconds
+        self._step_seconds: float | None = None  # the last timed decode call's seconds per step
         # Slots whose next decode only counts a token (the last report's ``idle_next``).
         self._idle_next = np.zeros(max_requests, bool)
         # Committed to their devices from the start, as a checkpoint restores them: a restored state then
@@ -733,9 +746,13 @@ class Engine:
             return _NO_TOKENS
         k = len(order)
         d = self._decoding
-        if (self.decode_steps > 1 and order is getattr(d, "rids", None)
-                and (not self.waiting or k in (self.layout.max_requests, self.token_budget))):
-            reports = self._run_decode_steps(plan, d)[:, :, :k]  # no step of them could admit a request
+        decode_only = order is getattr(d, "rids", None)
+        steps = (self._steps_per_call() if self.decode_steps > 1 and decode_only
+                 and (not self.waiting or k in (self.layout.max_requests, self.token_budget)) else 1)
+        timed = decode_only and self.max_call_seconds is not None and self.decode_steps > 1
+        compiled = Engine.compilations() if timed else 0
+        if steps > 1:
+            reports = self._run_decode_steps(plan, d, steps)[:, :, :k]  # no step of them could admit a request
         else:
             # A decode step whose requests the last report found idle runs the lean program (checked
             # there: if a block would move after all, it applies nothing and the full step runs).
@@ -745,8 +762,20 @@ class Engine:
         self._last_order, self._last_rows = order, None
         self.stats.device_seconds += time.perf_counter() - t_dispatch
         sampled = self._apply(order, running, plan, reports)
-        self.stats.seconds += time.perf_counter() - t0
+        t = time.perf_counter()
+        self.stats.seconds += t - t0
+        if timed and Engine.compilations() == compiled:
+            self._step_seconds = (t - t0) / len(reports)
         return sampled
+
+    def _steps_per_call(self) -> int:
+        """Decode steps the next call of several may run: ``decode_steps``, or as many as fit
+        ``max_call_seconds`` at the last timed rate (one until a call has been timed)."""
+        if self.max_call_seconds is None:
+            return self.decode_steps
+        if self._step_seconds is None:
+            return 1
+        return max(1, min(self.decode_steps, int(self.max_call_seconds / self._step_seconds)))
 
     def _apply(self, order: list[int], running: int, plan: StepPlan,
                reports: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -887,12 +916,12 @@ class Engine:
         self.last_output = out  # stays on the device; the host reads only its report
         return report
 
-    def _run_decode_steps(self, plan: StepPlan, d: _Decoding) -> np.ndarray:
-        """Up to ``decode_steps`` decode steps of ``plan`` (every request of ``d`` decodes) in one program:
-        the reports of the steps it ran, ``i32[steps, rows, R]``."""
+    def _run_decode_steps(self, plan: StepPlan, d: _Decoding, steps: int) -> np.ndarray:
+        """Up to ``steps`` (at most ``decode_steps``) decode steps of ``plan`` (every request of ``d`` decodes)
+        in one program: the reports of the steps it ran, ``i32[steps, rows, R]``."""
         R, n = self.layout.max_requests, len(d.rids)
         left = np.zeros(R, np.int32)
-        left[:n] = d.tokens_left
+        left[:n] = np.minimum(d.tokens_left, steps)  # the program stops after a lane's last allowed token
         stops = np.full(1 << max(len(d.stops) - 1, 0).bit_length(), -1, np.int32)  # few shapes
         stops[:len(d.stops)] = d.stops
         static = self.statics[self._bucket(n)]
