@@ -114,8 +114,9 @@ def test_multi_step_decoding_equals_single_steps():
     booked) show what the single-step engine's show.
 
     In the second round the engine has ``max_call_seconds`` (1 s), and each call's rate is set before it
-    (none timed yet, 0.5 or 0.25 s a step): a call runs at most 1, 2 or 4 steps, some run exactly that,
-    and decode calls time themselves."""
+    (none timed yet, 0.5 or 0.25 s a step, or 0.25 s a step timed over one request: at most 1, 2, 4 or
+    1 step for up to 4 requests): a call runs at most that many steps, some run exactly that, and decode
+    calls time themselves."""
     rng = np.random.default_rng(11)
     multi, single = _engines("sliding+mamba+full", seed=3, kinds=({"decode_steps": 4}, {}))
     system = rng.integers(0, 256, 20).tolist()
@@ -126,7 +127,7 @@ def test_multi_step_decoding_equals_single_steps():
         new = int(rng.integers(8, 40))
         assert multi.add_request(prompt, new, stop=stop) == single.add_request(prompt, new, stop=stop)
 
-    calls, rates, most, timed = 0, (None, 0.5, 0.25), {}, 0
+    calls, rates, most, timed = 0, (None, (0.5, 4), (0.25, 4), (0.25, 1)), {}, 0
     for round_ in range(2):
         for e in (multi, single):
             e.temperature = 0.9 if round_ == 1 else 0.0
@@ -134,14 +135,14 @@ def test_multi_step_decoding_equals_single_steps():
         for _ in range(6):
             submit()
         while multi.has_work:
-            multi._step_seconds = rate = rates[calls % 3]
-            steps = multi.stats.steps
+            multi._step_seconds = rate = rates[calls % 4]
+            steps, decoding = multi.stats.steps, len(multi.running)
             rids, tokens = multi.step_tokens()
             if round_ == 1:
-                limit = 1 if rate is None else int(1.0 / rate)
+                limit = 1 if rate is None else max(1, int(1.0 / (rate[0] * max(1, decoding / rate[1]))))
                 assert multi.stats.steps - steps <= limit, f"call {calls}"
                 most[limit] = max(most.get(limit, 0), multi.stats.steps - steps)
-                timed += multi._step_seconds not in rates
+                timed += multi._step_seconds != rate
             want = single.step()
             while single.stats.steps < multi.stats.steps:
                 want += single.step()

@@ -373,7 +373,8 @@ class Engine:
         self.vectorised = vectorised
         self.decode_steps = decode_steps if vectorised else 1  # the per-request engine: one step a call
         self.max_call_seconds = max_call_seconds
-        self._step_seconds: float | None = None  # the last timed decode call's seconds per step
+        # The last timed decode call's seconds per step and the requests it decoded.
+        self._step_seconds: tuple[float, int] | None = None
         # Slots whose next decode only counts a token (the last report's ``idle_next``).
         self._idle_next = np.zeros(max_requests, bool)
         # Committed to their devices from the start, as a checkpoint restores them: a restored state then
@@ -747,7 +748,7 @@ class Engine:
         k = len(order)
         d = self._decoding
         decode_only = order is getattr(d, "rids", None)
-        steps = (self._steps_per_call() if self.decode_steps > 1 and decode_only
+        steps = (self._steps_per_call(k) if self.decode_steps > 1 and decode_only
                  and (not self.waiting or k in (self.layout.max_requests, self.token_budget)) else 1)
         timed = decode_only and self.max_call_seconds is not None and self.decode_steps > 1
         compiled = Engine.compilations() if timed else 0
@@ -765,17 +766,21 @@ class Engine:
         t = time.perf_counter()
         self.stats.seconds += t - t0
         if timed and Engine.compilations() == compiled:
-            self._step_seconds = (t - t0) / len(reports)
+            self._step_seconds = (t - t0) / len(reports), k
         return sampled
 
-    def _steps_per_call(self) -> int:
-        """Decode steps the next call of several may run: ``decode_steps``, or as many as fit
-        ``max_call_seconds`` at the last timed rate (one until a call has been timed)."""
+    def _steps_per_call(self, requests: int) -> int:
+        """Decode steps the next call of several, over ``requests`` requests, may run: ``decode_steps``, or as
+        many as fit ``max_call_seconds`` at the last timed rate (one until a call has been timed). That rate
+        is scaled up in proportion when more requests decode now than then: steps cost less than that,
+        so the bound still holds when the batch grows."""
         if self.max_call_seconds is None:
             return self.decode_steps
         if self._step_seconds is None:
             return 1
-        return max(1, min(self.decode_steps, int(self.max_call_seconds / self._step_seconds)))
+        seconds, then = self._step_seconds
+        seconds *= max(1.0, requests / then)
+        return max(1, min(self.decode_steps, int(self.max_call_seconds / seconds)))
 
     def _apply(self, order: list[int], running: int, plan: StepPlan,
                reports: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
