@@ -584,11 +584,13 @@ def _usage(prompt_tokens: int, generated: int) -> dict:
 def warm_up(engine: Engine) -> None:
     """Compile the programs a server needs before the first client waits for them: one request long enough
     for the largest token bucket, then decode steps (the smallest bucket, its lean step, and, when the
-    engine's ``max_call_seconds`` fits several decode steps, its program of several), and the admissions
-    of every prompt-buffer size (``Engine.compile_admissions``)."""
+    engine's ``max_call_seconds`` fits several decode steps, its program of several), the admissions of
+    every prompt-buffer size (``Engine.compile_admissions``) and the scoring of every prompt size that
+    ``echo`` may send (``Engine.compile_scoring``)."""
     new = min(8, engine.layout.max_model_len - 1)  # the last steps run several a call if they are fast enough
     prompt = [0] * min(engine.token_budget, engine.layout.max_model_len - new)
     rid = engine.add_request(prompt, new)
     engine.run()
     engine.forget(rid)
     engine.compile_admissions()
+    engine.compile_scoring()

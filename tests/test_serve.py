@@ -397,13 +397,24 @@ def test_the_scoring_example_sums_the_continuations_log_probabilities(server):
         assert r["pick"] == int(np.argmax(r["loglikelihood"]))
 
 
-def test_the_warm_up_compiles_every_admission_size_and_changes_nothing():
+def test_the_warm_up_compiles_every_admission_and_scoring_size_and_changes_nothing():
     """``Engine.compile_admissions`` (run by ``warm_up``) compiles the admission program for every prompt
     buffer a step can send (up to 2 requests x 40 tokens: 64 and 128 tokens) and leaves the state as it
-    was. Sizes of its own: none of them was compiled before."""
-    engine, _ = build_engine(replace(CFG, num_blocks=CFG.num_blocks + 1, max_requests=2, max_model_len=40), **OPTIONS)
+    was. ``Engine.compile_scoring`` compiles the scoring program of every prompt of up to 40 tokens (one
+    buffer of 64): scoring such prompts later, with any number of likeliest tokens, compiles nothing.
+    Sizes and a ``max_top_logprobs`` of its own: none of them was compiled before."""
+    engine, _ = build_engine(replace(CFG, num_blocks=CFG.num_blocks + 1, max_requests=2, max_model_len=40),
+                             **OPTIONS | {"max_top_logprobs": 3})
     before = jax.tree.map(np.asarray, engine.state.alloc)
     compiled = engine_module._PREPARE._cache_size()
     engine.compile_admissions()
     assert engine_module._PREPARE._cache_size() - compiled == 2
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, engine.state.alloc))
+    compiled = engine_module._PROMPT_LOGPROBS._cache_size()
+    engine.compile_scoring()
+    assert engine_module._PROMPT_LOGPROBS._cache_size() - compiled == 1
+    for length, top in ((1, 0), (2, 3), (40, 1)):
+        scored = engine.prompt_logprobs([7] * length, top=top)
+        assert len(scored) == length and all(len(likeliest) == top for _, likeliest in scored[1:])
+    assert engine_module._PROMPT_LOGPROBS._cache_size() - compiled == 1
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, engine.state.alloc))

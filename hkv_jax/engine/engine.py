@@ -82,6 +82,11 @@ def _prompt_buffer(tokens: int) -> int:
     return max(_MIN_PROMPT_BUFFER, 1 << (tokens - 1).bit_length())
 
 
+def _prompt_buffers(tokens: int) -> list[int]:
+    """Every prompt-buffer size up to the one that carries ``tokens`` tokens."""
+    return [_MIN_PROMPT_BUFFER << i for i in range((_prompt_buffer(tokens) // _MIN_PROMPT_BUFFER).bit_length())]
+
+
 def _integer(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -549,19 +554,32 @@ class Engine:
         ``top`` likeliest tokens at that position, likeliest first)`` per token.
 
         It runs the model's uncached forward (``hkv_jax.engine.score``), compiled once per prompt-buffer
-        size (powers of two, at least 64 tokens), and changes nothing: not the cache, not the requests.
-        ``ValueError`` for a bad prompt (``check_prompt``) or ``top`` over ``max_top_logprobs``."""
+        size (powers of two, at least 64 tokens: ``compile_scoring``), whatever ``top``, and changes
+        nothing: not the cache, not the requests. ``ValueError`` for a bad prompt (``check_prompt``) or
+        ``top`` over ``max_top_logprobs``."""
         prompt = self.check_prompt(prompt)
         if not _integer(top) or not 0 <= top <= self.max_top_logprobs:
             raise ValueError(f"top must be an integer in [0, {self.max_top_logprobs}] (the engine's "
                              f"max_top_logprobs), got {top!r}")
         tokens = np.zeros(_prompt_buffer(len(prompt)), np.int32)
         tokens[:len(prompt)] = prompt
-        static = self.statics[0]
-        logprob, ids, values = jax.device_get(_PROMPT_LOGPROBS(static.graphdef, static.params_def, int(top),
-                                                               self.params, tokens))
-        return [None] + [(float(logprob[j]), list(zip(ids[j].tolist(), values[j].tolist())))
+        logprob, ids, values = self._score(tokens)
+        return [None] + [(float(logprob[j]), list(zip(ids[j, :top].tolist(), values[j, :top].tolist())))
                          for j in range(len(prompt) - 1)]
+
+    def _score(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``score.prompt_logprobs`` of a prompt buffer, with the ``max_top_logprobs`` likeliest tokens (one
+        program per buffer size), read back."""
+        static = self.statics[0]
+        return jax.device_get(_PROMPT_LOGPROBS(static.graphdef, static.params_def, self.max_top_logprobs,
+                                               self.params, tokens))
+
+    def compile_scoring(self) -> None:
+        """Compile ``prompt_logprobs``'s program for every prompt-buffer size a prompt of up to
+        ``max_model_len`` tokens takes (each takes about 1.5 s for Gemma 3 270M on a CPU), so that no
+        scoring request waits for one later."""
+        for size in _prompt_buffers(self.layout.max_model_len):
+            self._score(np.zeros(size, np.int32))
 
     def abort(self, rid: int) -> bool:
         """End request ``rid`` now (its client went away): it leaves the queue or the batch with the tokens
@@ -1007,14 +1025,11 @@ class Engine:
         releases nothing: the state stays as it was."""
         R = self.layout.max_requests
         none, slots = np.zeros(R, bool), np.full(R, -1, np.int32)
-        largest = _prompt_buffer(min(R, self.token_budget) * self.layout.max_model_len)
-        size = _MIN_PROMPT_BUFFER
-        while size <= largest:
+        for size in _prompt_buffers(min(R, self.token_budget) * self.layout.max_model_len):
             changes = Changes(free=none, preempt=none, slots=slots, prompts=np.zeros(size, np.int32),
                               lens=np.zeros(R, np.int32), salts=np.zeros(R, np.uint32))
             with self._on_mesh():
                 self.state = replace(self.state, alloc=_PREPARE(self.layout, self.state.alloc, changes, self.vectorised))
-            size *= 2
 
     @staticmethod
     def compilations() -> int:
