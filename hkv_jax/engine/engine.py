@@ -790,8 +790,8 @@ class Engine:
     def _steps_per_call(self, requests: int) -> int:
         """Decode steps the next call of several, over ``requests`` requests, may run: ``decode_steps``, or as
         many as fit ``max_call_seconds`` at the last timed rate (one until a call has been timed). That rate
-        is scaled up in proportion when more requests decode now than then: steps cost less than that,
-        so the bound still holds when the batch grows."""
+        is scaled up in proportion when more requests decode now than then: a step's cost grows less than
+        its batch, so the bound still holds when the batch grows."""
         if self.max_call_seconds is None:
             return self.decode_steps
         if self._step_seconds is None:
