@@ -349,6 +349,8 @@ class CompletionServer:
                  stats.tokens_computed),
                 ("preemptions_total", "counter", "Requests preempted for want of blocks.", stats.preemptions),
                 ("steps_total", "counter", "Engine steps.", stats.steps),
+                ("multi_step_calls_total", "counter", "Calls that ran several decode steps in one program "
+                 "(--decode-steps, --max-call-ms).", stats.multi_step_calls),
                 ("step_seconds_total", "counter", "Seconds spent in engine steps.", stats.seconds)]
         lines = []
         for name, kind, text, value in rows:

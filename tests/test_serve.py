@@ -150,6 +150,7 @@ def test_n_choices_sample_with_consecutive_seeds_and_metrics_count_them(server):
     length = 'hkv_requests_finished_total{finish_reason="length"}'
     assert after[length] - before.get(length, 0) == 4
     assert after["hkv_steps_total"] > before["hkv_steps_total"] and after["hkv_requests_running"] == 0
+    assert after["hkv_multi_step_calls_total"] == server.engine.stats.multi_step_calls  # the engine is idle
     assert after["hkv_kv_blocks_free"] == CFG.num_blocks - 1  # every block back (cached ones count as free)
     assert after["hkv_prefix_cache_hit_tokens_total"] > before["hkv_prefix_cache_hit_tokens_total"]  # the 2nd request
     # A batch of prompts (text and token ids) gets n choices per prompt, prompt by prompt.
