@@ -765,10 +765,10 @@ class Engine:
             return _NO_TOKENS
         k = len(order)
         d = self._decoding
-        decode_only = order is getattr(d, "rids", None)
-        steps = (self._steps_per_call(k) if self.decode_steps > 1 and decode_only
+        multi = self.decode_steps > 1 and order is getattr(d, "rids", None)  # a decode-only record
+        steps = (self._steps_per_call(k) if multi
                  and (not self.waiting or k in (self.layout.max_requests, self.token_budget)) else 1)
-        timed = decode_only and self.max_call_seconds is not None and self.decode_steps > 1
+        timed = multi and self.max_call_seconds is not None
         compiled = Engine.compilations() if timed else 0
         if steps > 1:
             reports = self._run_decode_steps(plan, d, steps)[:, :, :k]  # no step of them could admit a request
