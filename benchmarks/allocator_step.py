@@ -31,6 +31,7 @@ import numpy as np
 
 import machine
 from hkv_jax.allocator import ops
+from hkv_jax.allocator.decode import DecodePath
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.planner import cdiv, plan
 from hkv_jax.spec import layers_from_trace
@@ -99,7 +100,7 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, 
             jax.block_until_ready(after.counts)
             return (after, all_ok), 0
         st, ok, path = decode(layout, st, slots)  # a block moves: the whole step
-        if int(path) == 3:
+        if int(path) == DecodePath.FALLBACK:
             st, ok, _, _ = sequential(layout, st, slots, one_token)
         return jax.block_until_ready((st, ok)), int(path)
 
@@ -116,7 +117,7 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, 
     st = jax.block_until_ready(append(layout, st, slots, jnp.asarray(rng.integers(1, 32000, batch), jnp.int32)))
     jax.block_until_ready(decode(layout, jax.tree.map(jnp.copy, st), slots))  # compile the decode programs
     jax.block_until_ready(ops.idle_decode(layout, st, slots))
-    steps, paths, one_program = [], [0, 0, 0, 0], []
+    steps, paths, one_program = [], [0] * len(DecodePath), []
     for i in range(decode_steps):
         idle_first = not compare or (i // 16) % 2 == 0
         t = time.perf_counter()
@@ -131,7 +132,7 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, 
     row = {"model": name, "batch": batch, "num_blocks": nb, "groups": groups,
             "decode_step_us": round(statistics.median(steps) * 1e6, 1),
             "decode_step_mean_us": round(statistics.mean(steps) * 1e6, 1),
-            # decode_step's paths: token count only, vectorised, vectorised (many releases), sequential
+            # steps per DecodePath: token count only, vectorised, vectorised (many releases), sequential
             "decode_paths": paths,
             "prefill_us_per_request": round(statistics.median(prefill) / batch * 1e6, 1),
             "prefill_vectorised": prefill_vectorised == repeats,

@@ -115,7 +115,7 @@ def add_requests(engine: Engine, batch: int, decode: int, seed: int) -> None:
 
 def dispatch_floor(engine: Engine, runs: int = 200) -> float:
     """Median seconds of a donated identity program over the arrays a lean decode step passes."""
-    part = replace(engine.state, alloc=replace(engine.state.alloc, bp=None, step_cached=None))
+    part = replace(engine.state, alloc=replace(engine.state.alloc, block_pool=None, step_cached=None))
     ident = jax.jit(lambda s: s, donate_argnums=0)
     part = jax.tree.map(jnp.copy, part)
     times = []

@@ -22,7 +22,7 @@ def main() -> None:
     #    max_top_logprobs: requests may ask for up to 3 likeliest tokens per step, with log-probabilities.
     engine = Engine(model, num_blocks=96, block_size=16, max_requests=4, max_model_len=256, token_budget=64,
                     max_top_logprobs=3)
-    print("KV cache groups:", [f"{g.spec.kind} x{len(g.layer_names)}" for g in engine.config.groups])
+    print("KV cache groups:", [f"{g.spec.kind} x{len(g.layer_names)}" for g in engine.kv_cache_config.groups])
 
     # 3. Your requests; here they share a prefix, so the later ones hit the prefix cache. Each may sample
     #    its own way (the engine's default is greedy).

@@ -25,7 +25,7 @@ def parallel_samples(model, prompt: list[int], verbose: bool) -> list[list[int]]
     if verbose:
         slot = engine.requests[parent].slot
         tables = np.asarray(engine.state.alloc.tables[slot])
-        ref = np.asarray(engine.state.alloc.bp.pool.ref_count)
+        ref = np.asarray(engine.state.alloc.block_pool.free_queue.ref_count)
         full = tables[:, :6]
         counts = sorted({int(c) for c in ref[full[full > 0]]})
         print("ref counts of the parent's full blocks (1 parent + 3 children):", counts)
@@ -34,7 +34,7 @@ def parallel_samples(model, prompt: list[int], verbose: bool) -> list[list[int]]
     if verbose:
         for rid in [parent, *children]:
             print(f"sample {rid}: {out[rid]}")
-        print("free blocks after all finished:", int(engine.state.alloc.bp.pool.num_free),
+        print("free blocks after all finished:", int(engine.state.alloc.block_pool.free_queue.num_free),
               "of", engine.layout.num_blocks - 1)
     return [out[rid] for rid in [parent, *children]]
 

@@ -29,6 +29,10 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(f"{self.prog}: {message}")
 
 
+# SamplingParams fields whose flag has another name.
+_FLAGS = {"stop_strings": "stop"}
+
+
 def _positive(args: argparse.Namespace, *names: str) -> None:
     """Refuse a given size that is not positive (checked before any work starts)."""
     for name in names:
@@ -136,14 +140,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from hkv_jax.generate import GenerateConfig, generate
 
     _positive(args, "max_new_tokens")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= args.min_p <= 1:
-        raise CliError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0 and --min-p in [0, 1]")
-    if not 0 < args.repetition_penalty < float("inf"):
-        raise CliError("--repetition-penalty must be finite and > 0 (1: none)")
-    if not (-2 <= args.presence_penalty <= 2 and -2 <= args.frequency_penalty <= 2):
-        raise CliError("--presence-penalty and --frequency-penalty must be in [-2, 2]")
-    if "" in args.stop:
-        raise CliError("--stop must not be empty")
     if not args.prompt.strip():
         raise CliError("the prompt is empty")
     cfg = GenerateConfig(model=args.model, max_new_tokens=args.max_new_tokens, chat=not args.raw,
@@ -151,6 +147,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                          repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                          frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), seed=args.seed,
                          quantize=args.quantize, **_decode_options(args))
+    try:
+        cfg.sampling()
+    except ValueError as e:  # SamplingParams' message, in the flags' names
+        name = str(e).split(" ", 1)[0]
+        raise CliError(f"--{_FLAGS.get(name, name).replace('_', '-')} {str(e).split(' ', 1)[1]}") from None
     use_compilation_cache()
     result = generate(cfg, args.prompt, progress=not args.json, out=sys.stderr if args.json else sys.stdout)
     if args.json:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from flax import nnx
 
-from hkv_jax.engine import Engine
+from hkv_jax.engine import Engine, SamplingParams
 from hkv_jax.generate import GenerateConfig, engine_for
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.pretrained import INSTALL_HINT, is_pretrained, load_pretrained
@@ -156,13 +156,14 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         raise ValueError("--requests and turns must be positive")
     engine, codec = build_engine(cfg)
     chat = _Chat(cfg, engine.vocab_size, codec)
-    answer = cfg.answer_tokens or (32 if codec else 16)
+    params = SamplingParams(max_new_tokens=cfg.answer_tokens or (32 if codec else 16), stop=chat.stop)
+    answer = params.max_new_tokens
     last: dict[int, int] = {}  # conversation -> its latest request
     conversations = cdiv(cfg.requests, cfg.turns)
     turns_left = [min(cfg.turns, cfg.requests - c * cfg.turns) for c in range(conversations)]
     owner: dict[int, int] = {}
     for c in range(conversations):
-        last[c] = engine.add_request(chat.first(), answer, stop=chat.stop)
+        last[c] = engine.add_request(chat.first(), params)
         owner[last[c]] = c
         turns_left[c] -= 1
 
@@ -178,13 +179,13 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
             if r.done and turns_left[c] > 0:  # the follow-up turn
                 nxt = chat.follow_up(r)
                 if len(nxt) + answer <= engine.layout.max_model_len:
-                    last[c] = engine.add_request(nxt, answer, stop=chat.stop)
+                    last[c] = engine.add_request(nxt, params)
                     owner[last[c]] = c
                 turns_left[c] -= 1
         if engine.stats.steps % 4 == 0:  # memory sample (a monitoring read, not part of the step)
             used = engine.blocks_in_use()
             peak_blocks = [max(a, b) for a, b in zip(peak_blocks, used)]
-            peak_ours = max(peak_ours, sum(used) * engine.config.bytes_per_block)
+            peak_ours = max(peak_ours, sum(used) * engine.kv_cache_config.bytes_per_block)
             live = [r.total for r in engine.requests.values() if r.slot >= 0]
             peak_naive = max(peak_naive, sum(cdiv(t, cfg.block_size) for t in live) * naive.bytes_per_block)
         if progress:
@@ -213,7 +214,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "host_to_device_bytes_per_step": round(s.host_to_device_bytes / max(s.steps, 1)),
         "device_to_host_reads_per_step": s.device_to_host / max(s.steps, 1),
         "prepare_calls": s.prepare_calls,
-        "groups": [f"{g.spec.kind}({len(g.layer_names)})" for g in engine.config.groups],
+        "groups": [f"{g.spec.kind}({len(g.layer_names)})" for g in engine.kv_cache_config.groups],
         "peak_blocks_per_group": peak_blocks,
         "peak_kv_bytes": peak_ours, "naive_full_attention_kv_bytes": peak_naive,
         **({"sample_dialogue": codec.tokenizer.decode(sample.prompt + sample.generated)} if codec else {}),

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from hkv_jax.engine import Engine
+from hkv_jax.engine import Engine, SamplingParams
 from hkv_jax.models.pretrained import load_pretrained
 from hkv_jax.models.tokenizer import gemma_chat
 from hkv_jax.planner import plan
@@ -42,6 +42,13 @@ class GenerateConfig:
     max_call_seconds: float | None = 0.02  # ... as many as fit this (Engine(max_call_seconds=...))
     seed: int = 0
 
+    def sampling(self, eos_ids=()) -> SamplingParams:
+        """The request's ``SamplingParams`` (``ValueError`` for a value out of range)."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              stop=tuple(eos_ids), stop_strings=self.stop)
+
 
 def engine_for(model, max_model_len: int, *, max_requests: int = 1, block_size: int = 16,
                token_budget: int = 256, seed: int = 0, num_blocks: int | None = None, **kwargs) -> Engine:
@@ -61,18 +68,14 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
 
     ``decode_tokens_per_s`` counts the steps after the first token that compiled nothing; the ones that
     compiled a program (the decode step's own bucket, the first time) are ``decode_compile_seconds``."""
-    if cfg.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be positive, got {cfg.max_new_tokens}")
+    cfg.sampling()  # checked before the model loads
     t0 = time.perf_counter()
     model, codec = load_pretrained(cfg.model, kv_dtype=cfg.kv_dtype, quantize=cfg.quantize, progress=progress)
     ids = codec.encode(gemma_chat([{"role": "user", "content": prompt}]) if cfg.chat else prompt)
     engine = engine_for(model, len(ids) + cfg.max_new_tokens, block_size=cfg.block_size,
                         token_budget=cfg.token_budget, seed=cfg.seed, decode_steps=cfg.decode_steps,
                         max_call_seconds=cfg.max_call_seconds, detokenize=codec.decode)
-    engine.temperature, engine.top_p, engine.top_k, engine.min_p = cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p
-    engine.repetition_penalty = cfg.repetition_penalty
-    engine.presence_penalty, engine.frequency_penalty = cfg.presence_penalty, cfg.frequency_penalty
-    rid = engine.add_request(ids, cfg.max_new_tokens, stop=codec.eos_ids, stop_strings=cfg.stop)
+    rid = engine.add_request(ids, cfg.sampling(codec.eos_ids))
     load_s = time.perf_counter() - t0
     bar = None
     if progress:

@@ -19,7 +19,7 @@ engine, not independent batches.
 from __future__ import annotations
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from hkv_jax.cache import mesh_model_size
 
@@ -58,24 +58,24 @@ def _path_names(path) -> list[str]:
     return names[:-1] if names and names[-1] == "value" else names
 
 
-def param_spec(path, shape: tuple[int, ...], cfg, model_shards: int) -> P:
+def param_spec(path, shape: tuple[int, ...], cfg, model_shards: int) -> PartitionSpec:
     """The partition of one weight (``path``: its key path in the model's ``nnx.State``)."""
     names = _path_names(path)
     if model_shards == 1 or len(names) < 2:
-        return P()
+        return PartitionSpec()
     if names[-1] in _OUT_DIM and names[-2] in _SPLITS and len(shape) == 2:
         split, field = _SPLITS[names[-2]]
         if getattr(cfg, field, 0) % model_shards == 0:
             out = _OUT_DIM[names[-1]]
             dim = out if split == _COLUMN else 1 - out
-            return P("model", None) if dim == 0 else P(None, "model")
+            return PartitionSpec("model", None) if dim == 0 else PartitionSpec(None, "model")
     if names[-1] == "scale" and names[-2] in _SPLITS and len(shape) == 1:  # an Int8Linear's per-column scales
         split, field = _SPLITS[names[-2]]
         if split == _COLUMN and getattr(cfg, field, 0) % model_shards == 0:
-            return P("model")
+            return PartitionSpec("model")
     if names[-1] == "sinks" and getattr(cfg, "num_heads", 0) % model_shards == 0:
-        return P("model")
-    return P()
+        return PartitionSpec("model")
+    return PartitionSpec()
 
 
 def param_shardings(params, cfg, mesh: Mesh):
@@ -87,4 +87,4 @@ def param_shardings(params, cfg, mesh: Mesh):
 
 def replicated(mesh: Mesh) -> NamedSharding:
     """The sharding of everything small: a full copy on every device."""
-    return NamedSharding(mesh, P())
+    return NamedSharding(mesh, PartitionSpec())

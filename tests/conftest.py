@@ -106,10 +106,10 @@ def _lookups(cache, keys, full):
     import jax
     import jax.numpy as jnp
 
-    from hkv_jax.allocator import prefix_cache as pc
+    from hkv_jax.allocator import prefix_cache
 
     groups = jnp.arange(cache.num_groups, dtype=jnp.int32)
-    found = jax.vmap(lambda g: pc.lookup(cache, keys, jnp.full(keys.shape[0], g)))(groups)
+    found = jax.vmap(lambda g: prefix_cache.lookup(cache, keys, jnp.full(keys.shape[0], g)))(groups)
     return jnp.where(full[None, :], found, -1)
 
 
@@ -122,18 +122,18 @@ def semantic(st, layout):
     (not the table slots)."""
     import jax
 
-    from hkv_jax.allocator.pool import queue_order
+    from hkv_jax.allocator.free_queue import queue_order
 
     if not _LOOKUPS:
         _LOOKUPS.append(jax.jit(_lookups))
     # The hashes of every request's full blocks (past them a slot's hashes are unspecified).
     full = np.arange(st.hashes.shape[1])[None, :] < np.asarray(st.num_tokens)[:, None] // layout.block_size
-    out = {"queue": queue_order(st.bp.pool), "free": int(st.bp.pool.num_free),
-           "ref_count": np.asarray(st.bp.pool.ref_count).tolist(), "status": np.asarray(st.status).tolist()}
+    out = {"queue": queue_order(st.block_pool.free_queue), "free": int(st.block_pool.free_queue.num_free),
+           "ref_count": np.asarray(st.block_pool.free_queue.ref_count).tolist(), "status": np.asarray(st.status).tolist()}
     for f in ("tables", "table_len", "num_computed", "num_cached", "retired", "last_state"):
         out[f] = np.asarray(getattr(st, f)).tolist()
-    out["cached"] = (np.asarray(st.bp.cache.block_slot) >= 0).tolist()
-    out["lookups"] = np.asarray(_LOOKUPS[0](st.bp.cache, st.hashes.reshape(-1, 4), full.reshape(-1))).tolist()
+    out["cached"] = (np.asarray(st.block_pool.prefix_cache.block_slot) >= 0).tolist()
+    out["lookups"] = np.asarray(_LOOKUPS[0](st.block_pool.prefix_cache, st.hashes.reshape(-1, 4), full.reshape(-1))).tolist()
     return out
 
 

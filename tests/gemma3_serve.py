@@ -53,7 +53,7 @@ def serve(model, reference: dict, repeat: tuple[int, ...], **options) -> dict:
             g["top_logits"].append(row[ids].tolist())
     s = engine.stats
     return {"results": list(got.values()), "cache_hit_tokens": s.cache_hit_tokens, "preemptions": s.preemptions,
-            "summary": f"prefix caching {'on' if engine.prefix_caching else 'off'}: {len(got)} requests, "
+            "summary": f"prefix caching {'on' if engine.config.prefix_caching else 'off'}: {len(got)} requests, "
                        f"{s.steps} steps, {s.preemptions} preemptions, {s.cache_hit_tokens} cache-hit tokens"}
 
 

@@ -46,7 +46,7 @@ def test_failed_running_schedule_only_releases_out_of_window_blocks():
             m.append_token("a", 50 + t)
         before = m.state
         res = m.schedule("a", "all", None)
-    freed = int(m.state.bp.pool.num_free) - int(before.bp.pool.num_free)
+    freed = int(m.state.block_pool.free_queue.num_free) - int(before.block_pool.free_queue.num_free)
     assert freed == 2  # the two sliding-window blocks that left the window since the last call
     tb, ta = np.asarray(before.tables), np.asarray(m.state.tables)
     changed = tb != ta
@@ -55,7 +55,7 @@ def test_failed_running_schedule_only_releases_out_of_window_blocks():
     same = ["status", "tokens", "num_tokens", "hashes", "num_computed", "table_len", "num_cached", "step_cached"]
     assert all((np.asarray(getattr(before, f)) == np.asarray(getattr(m.state, f))).all() for f in same)
     assert all((np.asarray(x) == np.asarray(y)).all()
-               for x, y in zip(jax.tree.leaves(before.bp.cache), jax.tree.leaves(m.state.bp.cache)))
+               for x, y in zip(jax.tree.leaves(before.block_pool.prefix_cache), jax.tree.leaves(m.state.block_pool.prefix_cache)))
 
 
 @pytest.mark.parametrize("donate", [False, True])
@@ -134,7 +134,7 @@ def test_a_spanning_mamba_state_takes_its_pages_together():
 
 @pytest.mark.parametrize("aware", [False, True])
 def test_window_aware_eviction_sends_out_of_window_blocks_to_the_queue_front(aware):
-    from hkv_jax.allocator.pool import queue_order
+    from hkv_jax.allocator.free_queue import queue_order
 
     m = KVCacheManager(plan(LAYERS, block_size=4, policy="vllm", num_blocks=40), max_model_len=64, max_requests=4,
                        window_aware_eviction=aware)
@@ -143,8 +143,8 @@ def test_window_aware_eviction_sends_out_of_window_blocks_to_the_queue_front(awa
     sliding = np.asarray(m.state.tables[m._slots["a"], 1])
     assert m.schedule("a", 1, None)["ok"]  # releases sliding blocks 0-2 (window 8), takes no new block
     out_of_window = [int(b) for b in sliding[:3][::-1]]  # freed last block first
-    queue = queue_order(m.state.bp.pool)
-    cached = np.asarray(m.state.bp.cache.block_slot)
+    queue = queue_order(m.state.block_pool.free_queue)
+    cached = np.asarray(m.state.block_pool.prefix_cache.block_slot)
     assert all(cached[b] >= 0 for b in out_of_window)  # still cached either way: a hit may still take them
     if aware:
         assert queue[:3] == out_of_window  # evicted first

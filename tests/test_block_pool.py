@@ -7,20 +7,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hkv_jax.allocator import block_pool as BP
-from hkv_jax.allocator import pool as P
+from hkv_jax.allocator import block_pool
+from hkv_jax.allocator import free_queue, prefix_cache
 from hkv_jax.allocator.pymodel import PyAllocator
 from hkv_jax.planner import plan
 from hkv_jax.spec import FullAttentionSpec
 
 N, K = 6, 4
-get = jax.jit(BP.get_new_blocks, static_argnums=2)
-free = jax.jit(BP.free_blocks)
-touch = jax.jit(BP.touch)
-cache = jax.jit(BP.cache_blocks)
+get = jax.jit(block_pool.get_new_blocks, static_argnums=2)
+free = jax.jit(block_pool.free_blocks)
+touch = jax.jit(block_pool.touch)
+cache = jax.jit(block_pool.cache_blocks)
 HASHES = [np.array([h, 3 * h + 1, 7, 9], np.uint32) for h in range(4)]
 KEYS = jnp.asarray(np.stack(HASHES))
-lookup = jax.jit(BP.pc.lookup)
+lookup = jax.jit(prefix_cache.lookup)
 
 op = st.one_of(
     st.tuples(st.just("get"), st.integers(0, K)),
@@ -39,7 +39,7 @@ def pad(xs, n=K):
 @given(st.lists(op, min_size=3, max_size=30))
 def test_block_pool_matches_the_model(ops):
     model = PyAllocator(plan([FullAttentionSpec(name="l", num_kv_heads=1, head_size=8)], num_blocks=N), 64)
-    state = BP.init_block_pool(N)
+    state = block_pool.init_block_pool(N)
     for kind, arg in ops:
         if kind == "get":
             if arg > model.num_free_blocks:
@@ -62,16 +62,16 @@ def test_block_pool_matches_the_model(ops):
                 model.hash[b] = (h, 0)
                 model.cache.setdefault((h, 0), []).append(b)
             state = cache(state, pad([b for b, _ in held]), jnp.asarray(hs), jnp.int32(0))
-        assert BP.P.queue_order(state.pool) == model.free_queue
-        assert list(np.asarray(state.pool.ref_count)) == model.ref
-        got = np.asarray(lookup(state.cache, KEYS, jnp.zeros(len(HASHES), jnp.int32)))
+        assert free_queue.queue_order(state.free_queue) == model.free_queue
+        assert list(np.asarray(state.free_queue.ref_count)) == model.ref
+        got = np.asarray(lookup(state.prefix_cache, KEYS, jnp.zeros(len(HASHES), jnp.int32)))
         assert list(got) == [model.cache.get((h, 0), [0])[0] for h in range(4)]
 
 
-@pytest.mark.parametrize("n", [1000, P._SCAN_MIN + 123])  # cumsum, then the log-depth scan
+@pytest.mark.parametrize("n", [1000, free_queue._SCAN_MIN + 123])  # cumsum, then the log-depth scan
 def test_running_count_is_a_cumsum(n):
     flags = np.random.default_rng(n).random(n) < 0.3
-    got = jax.jit(P.running_count)(jnp.asarray(flags))
+    got = jax.jit(free_queue.running_count)(jnp.asarray(flags))
     assert got.dtype == jnp.int32 and np.array_equal(np.asarray(got), np.cumsum(flags))
 
 
@@ -85,8 +85,8 @@ def test_pops_after_releases_match_one_request_after_another(seed):
     blocks[rng.random(blocks.shape) < 0.2] = 0
     to_front = (blocks > 0) & (rng.random(blocks.shape) < [0.7, 0.3, 0.0][seed % 3])
     pops = rng.integers(0, most + 1, B).astype(np.int32)
-    rel = P.Release(jnp.asarray(blocks), jnp.asarray(blocks > 0), jnp.asarray(to_front), jnp.bool_(True))
-    got = jax.jit(P.pops_after_releases, static_argnums=2)(rel, jnp.asarray(pops), most)
+    rel = free_queue.Release(jnp.asarray(blocks), jnp.asarray(blocks > 0), jnp.asarray(to_front), jnp.bool_(True))
+    got = jax.jit(free_queue.pops_after_releases, static_argnums=2)(rel, jnp.asarray(pops), most)
 
     queue, old = [], iter(range(-1, -1000, -1))  # negative ids: the queue as it was
     taken = []

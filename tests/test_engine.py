@@ -96,8 +96,8 @@ def test_engine_generates_the_dense_models_tokens(name, prefix_caching):
         np.testing.assert_allclose(np.stack(logits[rid]), np.stack(want_logits), atol=1e-4, rtol=1e-4,
                                    err_msg=f"request {rid}")
     # Everything freed: every block is back in the free queue, no ref count left.
-    assert int(eng.state.alloc.bp.pool.num_free) == eng.layout.num_blocks - 1
-    assert not np.asarray(eng.state.alloc.bp.pool.ref_count).any()
+    assert int(eng.state.alloc.block_pool.free_queue.num_free) == eng.layout.num_blocks - 1
+    assert not np.asarray(eng.state.alloc.block_pool.free_queue.ref_count).any()
     # No recompilation per step: the same workload again compiles nothing new.
     compiled = Engine.compilations()
     for p in prompts:
@@ -121,7 +121,7 @@ def test_mamba_state_blocks_hold_the_dense_states_and_serve_hits():
     prompts = workload()
     rid = eng.add_request(prompts[0], 12)
     eng.requests[rid].max_chunk = 20  # chunks 0..20, then 20..24 (stopped at the block boundary), ...
-    mamba = [(g, eng.config.groups[g].layer_names[0]) for g, p in enumerate(eng.layout.parts)
+    mamba = [(g, eng.kv_cache_config.groups[g].layer_names[0]) for g, p in enumerate(eng.layout.parts)
              if eng.layout.is_mamba(p[0])]
     dense_states = jax.jit(model.dense_states)
     dense = {}
@@ -203,12 +203,12 @@ def test_fork_shares_full_blocks_and_frees_them_once():
     full = tables[:, :p.computed // 8]
     shared = full[full > 0]
     child = eng.fork(parent)
-    ref = np.asarray(eng.state.alloc.bp.pool.ref_count)
+    ref = np.asarray(eng.state.alloc.block_pool.free_queue.ref_count)
     assert (ref[shared] == 2).all()
     out = eng.run()
     assert out[child] == out[parent]  # greedy: the child continues exactly like its parent
-    ref = np.asarray(eng.state.alloc.bp.pool.ref_count)
-    assert not ref.any() and int(eng.state.alloc.bp.pool.num_free) == eng.layout.num_blocks - 1
+    ref = np.asarray(eng.state.alloc.block_pool.free_queue.ref_count)
+    assert not ref.any() and int(eng.state.alloc.block_pool.free_queue.num_free) == eng.layout.num_blocks - 1
 
 
 @SAME_SIZES["tiny-llama4"]
@@ -281,8 +281,8 @@ def test_abort_ends_requests_in_every_state_and_frees_their_blocks():
             assert len(r.generated) == r.max_new_tokens
         assert r.arrival_time <= (r.first_token_time or r.arrival_time) <= r.finished_time
         assert (r.first_token_time is None) == (not r.generated)
-    assert int(eng.state.alloc.bp.pool.num_free) == eng.layout.num_blocks - 1
-    assert not np.asarray(eng.state.alloc.bp.pool.ref_count).any()
+    assert int(eng.state.alloc.block_pool.free_queue.num_free) == eng.layout.num_blocks - 1
+    assert not np.asarray(eng.state.alloc.block_pool.free_queue.ref_count).any()
 
 
 @SAME_SIZES["tiny-llama4"]

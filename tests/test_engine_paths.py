@@ -8,7 +8,7 @@ from flax import nnx
 
 from conftest import semantic
 from hkv_jax.engine import Engine
-from hkv_jax.engine import engine as engine_module
+from hkv_jax.engine import decode_batch as decode_batch_module
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 
@@ -48,7 +48,7 @@ def test_vectorised_step_equals_the_per_request_step(name, monkeypatch):
     (queue order, ref counts, tables, counters, cache entries) and the same host queues on both paths.
     The vectorised engine also books decode-only steps with arrays; the per-request one never does."""
     rng = np.random.default_rng(len(name))
-    monkeypatch.setattr(engine_module, "_MAX_PENDING", 3)  # decode tokens booked after 3 calls unread too
+    monkeypatch.setattr(decode_batch_module, "MAX_PENDING", 3)  # decode tokens booked after 3 calls unread too
     fast, exact = _engines(name, seed=1)
     system = rng.integers(0, 256, 20).tolist()
     steps = preempted = 0
@@ -63,7 +63,7 @@ def test_vectorised_step_equals_the_per_request_step(name, monkeypatch):
             got, want = fast.step(), exact.step()
             assert got == want, f"step {steps}"
             assert semantic(fast.state.alloc, fast.layout) == semantic(exact.state.alloc, exact.layout), f"step {steps}"
-            assert (fast.running, fast.waiting, fast._to_free) == (exact.running, exact.waiting, exact._to_free)
+            assert (fast.running, fast.waiting, fast.scheduler.to_free) == (exact.running, exact.waiting, exact.scheduler.to_free)
             steps += 1
             if steps % 5 == 0:  # the tokens booked with arrays, pending until the requests are read
                 assert _progress(fast) == _progress(exact), f"step {steps}"
@@ -81,7 +81,7 @@ def test_vectorised_step_equals_the_per_request_step(name, monkeypatch):
         [(r.computed, r.slot, r.cache_hit) for r in exact.requests.values()]
     # Everything freed on both paths.
     for e in (fast, exact):
-        assert int(e.state.alloc.bp.pool.num_free) == e.layout.num_blocks - 1
+        assert int(e.state.alloc.block_pool.free_queue.num_free) == e.layout.num_blocks - 1
 
 
 def test_stop_tokens_end_requests_on_both_paths():
@@ -135,21 +135,21 @@ def test_multi_step_decoding_equals_single_steps():
         for _ in range(6):
             submit()
         while multi.has_work:
-            multi._step_seconds = rate = rates[calls % 4]
+            multi.runner.step_seconds = rate = rates[calls % 4]
             steps, decoding = multi.stats.steps, len(multi.running)
             rids, tokens = multi.step_tokens()
             if round_ == 1:
                 limit = 1 if rate is None else max(1, int(1.0 / (rate[0] * max(1, decoding / rate[1]))))
                 assert multi.stats.steps - steps <= limit, f"call {calls}"
                 most[limit] = max(most.get(limit, 0), multi.stats.steps - steps)
-                timed += multi._step_seconds != rate
+                timed += multi.runner.step_seconds != rate
             want = single.step()
             while single.stats.steps < multi.stats.steps:
                 want += single.step()
             assert list(zip(rids.tolist(), tokens.tolist())) == want, f"call {calls}"
             assert single.stats.steps == multi.stats.steps
             assert semantic(multi.state.alloc, multi.layout) == semantic(single.state.alloc, single.layout)
-            assert (multi.running, multi.waiting, multi._to_free) == (single.running, single.waiting, single._to_free)
+            assert (multi.running, multi.waiting, multi.scheduler.to_free) == (single.running, single.waiting, single.scheduler.to_free)
             if calls % 5 == 4:  # tokens booked with arrays wait until the requests are read: read them now
                 assert _progress(multi) == _progress(single), f"call {calls}"
             calls += 1

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hkv_jax.allocator import pool as P
+from hkv_jax.allocator import free_queue
 from hkv_jax.allocator.hashing import block_hashes, np_block_hashes
 from hkv_jax.allocator.pymodel import PyAllocator
 from hkv_jax.planner import plan
@@ -17,9 +17,9 @@ from hkv_jax.spec import FullAttentionSpec
 
 N = 12
 MAXK = 6  # with N = 12 and HOLE_SLACK, pops see holes and the queue wraps and compacts
-pop = jax.jit(functools.partial(P.pop_free, slack=1), static_argnums=2)  # tiny slack: compaction happens
-touch = jax.jit(P.touch)
-free = jax.jit(P.free_ordered)
+pop = jax.jit(functools.partial(free_queue.pop_free, slack=1), static_argnums=2)  # tiny slack: compaction happens
+touch = jax.jit(free_queue.touch)
+free = jax.jit(free_queue.free_ordered)
 
 
 def model_pool(num_blocks):
@@ -28,7 +28,7 @@ def model_pool(num_blocks):
 
 
 def assert_same(pool, model):
-    assert P.queue_order(pool) == model.free_queue
+    assert free_queue.queue_order(pool) == model.free_queue
     assert list(np.asarray(pool.ref_count)) == model.ref
     assert int(pool.num_free) == model.num_free_blocks
 
@@ -44,7 +44,7 @@ op = st.one_of(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(op, max_size=25))
 def test_pool_matches_the_model_queue_order(ops):
-    pool, model = P.init_pool(N), model_pool(N)
+    pool, model = free_queue.init_free_queue(N), model_pool(N)
     assert_same(pool, model)
     for kind, arg in ops:
         if kind == "pop":
@@ -73,9 +73,9 @@ def test_pool_matches_the_model_queue_order(ops):
 
 
 def test_snapshot_stays_valid_after_a_donated_update():
-    pool = P.init_pool(8)
+    pool = free_queue.init_free_queue(8)
     snap = pool
-    popd = jax.jit(P.pop_free, static_argnums=2, donate_argnums=0)
+    popd = jax.jit(free_queue.pop_free, static_argnums=2, donate_argnums=0)
     new, ids = popd(jax.tree.map(jnp.copy, pool), jnp.int32(3), 4)
     assert list(np.asarray(ids)) == [1, 2, 3, 0]
     assert int(snap.num_free) == 7 and int(new.num_free) == 4
@@ -110,12 +110,12 @@ def test_queue_positions_stay_bounded_from_the_far_end_of_int32():
     come back into [0, N) at once and stay there."""
     n = 40
     lap = (2**31 - 1 - 2 * n) // n * n  # the same queue, read from an offset near int32's end
-    pool = P.init_pool(n)
+    pool = free_queue.init_free_queue(n)
     pool = dataclasses.replace(pool, head=pool.head + lap, tail=pool.tail + lap)
     model = model_pool(n)
     assert_same(pool, model)
-    pop8 = jax.jit(P.pop_free, static_argnums=2)
-    calls = jax.jit(P.free_calls)
+    pop8 = jax.jit(free_queue.pop_free, static_argnums=2)
+    calls = jax.jit(free_queue.free_calls)
     rng = np.random.default_rng(0)
     kinds = {"pop": 0, "touch": 0, "free": 0, "calls": 0}
     moved = False  # whether an operation moved the queue ends yet (a hit only punches a hole)

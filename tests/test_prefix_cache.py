@@ -7,13 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hkv_jax.allocator import prefix_cache as pc
+from hkv_jax.allocator import prefix_cache
 
 NB = 10
 KEYS = [np.array([k * 7919 % 13, k, 3 * k, 1], np.uint32) for k in range(6)]
-insert = jax.jit(pc.insert)
-evict = jax.jit(pc.evict)
-lookup = jax.jit(pc.lookup)
+insert = jax.jit(prefix_cache.insert)
+evict = jax.jit(prefix_cache.evict)
+lookup = jax.jit(prefix_cache.lookup)
 
 op = st.one_of(
     # Few keys, so that blocks are often cached under a key that already has blocks (duplicates).
@@ -26,7 +26,7 @@ op = st.one_of(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(op, min_size=5, max_size=40), st.sampled_from([16, 32]))
 def test_table_matches_the_dict_model(ops, slots):
-    cache = pc.init_prefix_cache(NB, slots, num_groups=2)
+    cache = prefix_cache.init_prefix_cache(NB, slots, num_groups=2)
     model: dict[tuple[int, int], list[int]] = {}
     where: dict[int, tuple[int, int]] = {}
     all_keys = jnp.asarray(np.stack([k for k in KEYS for _ in (0, 1)]))
@@ -46,25 +46,25 @@ def test_table_matches_the_dict_model(ops, slots):
                 if not model[key]:
                     del model[key]
         else:
-            cache = pc.reset(cache)
+            cache = prefix_cache.reset(cache)
             model.clear()
             where.clear()
         got = np.asarray(lookup(cache, all_keys, all_groups))
         want = [model.get((k, g), [0])[0] for k in range(len(KEYS)) for g in (0, 1)]
         assert list(got) == want
-        cached = np.asarray(pc.is_cached(cache))
+        cached = np.asarray(prefix_cache.is_cached(cache))
         assert [bool(cached[b]) for b in range(NB)] == [b in where for b in range(NB)]
 
 
 def test_lookup_batches_and_misses_return_the_null_block():
-    cache = pc.init_prefix_cache(8, num_groups=2)
+    cache = prefix_cache.init_prefix_cache(8, num_groups=2)
     cache = insert(cache, jnp.int32(3), jnp.asarray(KEYS[1]), jnp.int32(0))
     got = lookup(cache, jnp.asarray(np.stack([KEYS[1], KEYS[1], KEYS[2]]))[None], jnp.array([[0, 1, 0]], jnp.int32))
     assert got.shape == (1, 3) and list(np.asarray(got[0])) == [3, 0, 0]
 
 
 def test_evicting_the_oldest_duplicate_promotes_the_next_oldest():
-    cache = pc.init_prefix_cache(10, 16, num_groups=2)
+    cache = prefix_cache.init_prefix_cache(10, 16, num_groups=2)
     for b in (2, 5, 7):
         cache = insert(cache, jnp.int32(b), jnp.asarray(KEYS[1]), jnp.int32(0))
     key, grp = jnp.asarray(KEYS[1])[None], jnp.array([0], jnp.int32)
@@ -77,8 +77,8 @@ def test_evicting_the_oldest_duplicate_promotes_the_next_oldest():
     assert int(lookup(cache, key, grp)[0]) == 0
 
 
-insert_many = jax.jit(pc.insert_many, static_argnames="claims")
-evict_many = jax.jit(pc.evict_many)
+insert_many = jax.jit(prefix_cache.insert_many, static_argnames="claims")
+evict_many = jax.jit(prefix_cache.evict_many)
 
 
 def _apply_one_by_one(cache, batch, kind):
@@ -100,7 +100,7 @@ batch_op = st.tuples(st.sampled_from(["insert", "evict"]),
        st.sampled_from(["table", "sorted"]))
 def test_batched_inserts_and_evictions_equal_one_by_one(batches, slots, rnd, claims):
     """Same lookups, cached set and duplicate order (checked by evicting everything one by one at the end)."""
-    a = b = pc.init_prefix_cache(NB, slots, num_groups=2)
+    a = b = prefix_cache.init_prefix_cache(NB, slots, num_groups=2)
     cached: set[int] = set()
     all_keys = jnp.asarray(np.stack([k for k in KEYS for _ in (0, 1)]))
     all_groups = jnp.asarray([g for _ in KEYS for g in (0, 1)], jnp.int32)
@@ -123,7 +123,7 @@ def test_batched_inserts_and_evictions_equal_one_by_one(batches, slots, rnd, cla
             cached -= {x[0] for x in clean}
         b = _apply_one_by_one(b, clean, kind)
         assert np.asarray(lookup(a, all_keys, all_groups)).tolist() == np.asarray(lookup(b, all_keys, all_groups)).tolist()
-        assert np.asarray(pc.is_cached(a)).tolist() == np.asarray(pc.is_cached(b)).tolist()
+        assert np.asarray(prefix_cache.is_cached(a)).tolist() == np.asarray(prefix_cache.is_cached(b)).tolist()
     order = sorted(cached)
     rnd.shuffle(order)
     for blk in order:
@@ -145,15 +145,15 @@ def test_a_large_batch_insert_equals_one_by_one_inserts():
     early = jnp.asarray(ids[k:k + 300], jnp.int32)  # cached before the batch, under keys of the batch
 
     def one_by_one(cache, blocks, keys, groups):
-        return jax.lax.fori_loop(0, blocks.shape[0], lambda i, c: pc.insert(c, blocks[i], keys[i], groups[i]), cache)
+        return jax.lax.fori_loop(0, blocks.shape[0], lambda i, c: prefix_cache.insert(c, blocks[i], keys[i], groups[i]), cache)
 
-    start = jax.jit(one_by_one)(pc.init_prefix_cache(num_blocks, num_groups=2), early, keys[:300], groups[:300])
+    start = jax.jit(one_by_one)(prefix_cache.init_prefix_cache(num_blocks, num_groups=2), early, keys[:300], groups[:300])
     a = insert_many(start, blocks, keys, groups, claims="table")
     b = jax.jit(one_by_one)(start, blocks, keys, groups)
     gone = jnp.asarray(rng.permutation(np.concatenate([ids[:k], ids[k:k + 300]]))[: k // 2], jnp.int32)
     for _ in range(2):
         assert np.asarray(lookup(a, keys, groups)).tolist() == np.asarray(lookup(b, keys, groups)).tolist()
-        assert np.asarray(pc.is_cached(a)).tolist() == np.asarray(pc.is_cached(b)).tolist()
+        assert np.asarray(prefix_cache.is_cached(a)).tolist() == np.asarray(prefix_cache.is_cached(b)).tolist()
         a, b = evict_many(a, gone), evict_many(b, gone)
 
 
@@ -169,12 +169,12 @@ def test_inserting_rows_equals_one_by_one_inserts_in_row_order(claims):
 
     def one_by_one(cache, blocks, keys):
         def row(i, c):
-            return jax.lax.fori_loop(0, G, lambda g, c: pc.insert(c, blocks[i, g], keys[i], g), c)
+            return jax.lax.fori_loop(0, G, lambda g, c: prefix_cache.insert(c, blocks[i, g], keys[i], g), c)
         return jax.lax.fori_loop(0, blocks.shape[0], row, cache)
 
     early_keys = jnp.asarray(pool[:100])
     early = jnp.asarray(np.where(rng.random((100, G)) < 0.5, ids[:100 * G].reshape(100, G), 0), jnp.int32)
-    start = jax.jit(one_by_one)(pc.init_prefix_cache(num_blocks, num_groups=G), early, early_keys)
+    start = jax.jit(one_by_one)(prefix_cache.init_prefix_cache(num_blocks, num_groups=G), early, early_keys)
     rest = ids[100 * G:]
     fresh = rng.integers(0, 2**32, (k // 4, 4), dtype=np.uint32)
     batches = [(pool[rng.integers(0, len(pool), k)], rng.random((k, G)) < 0.1),  # shared slots
@@ -187,11 +187,11 @@ def test_inserting_rows_equals_one_by_one_inserts_in_row_order(claims):
         n = keys.shape[0] * G
         blocks = jnp.asarray(np.where(null, 0, rest[:n].reshape(-1, G)), jnp.int32)
         rest = rest[n:]
-        a = jax.jit(pc.insert_rows, static_argnames="claims")(a, blocks, jnp.asarray(keys), claims=claims)
+        a = jax.jit(prefix_cache.insert_rows, static_argnames="claims")(a, blocks, jnp.asarray(keys), claims=claims)
         b = jax.jit(one_by_one)(b, blocks, jnp.asarray(keys))
         assert np.asarray(lookup(a, all_keys, groups)).tolist() == np.asarray(lookup(b, all_keys, groups)).tolist()
-        assert np.asarray(pc.is_cached(a)).tolist() == np.asarray(pc.is_cached(b)).tolist()
-    gone = jnp.asarray(rng.permutation(np.flatnonzero(np.asarray(pc.is_cached(a))))[:800], jnp.int32)
+        assert np.asarray(prefix_cache.is_cached(a)).tolist() == np.asarray(prefix_cache.is_cached(b)).tolist()
+    gone = jnp.asarray(rng.permutation(np.flatnonzero(np.asarray(prefix_cache.is_cached(a))))[:800], jnp.int32)
     a, b = evict_many(a, gone), evict_many(b, gone)
     assert np.asarray(lookup(a, all_keys, groups)).tolist() == np.asarray(lookup(b, all_keys, groups)).tolist()
 
@@ -210,7 +210,7 @@ def test_insertion_clock_is_renumbered_before_int32_ends():
     cfg = plan([FullAttentionSpec(name="f", num_kv_heads=1, head_size=8)], block_size=4, num_blocks=NB)
     layout = Layout.from_config(cfg, max_model_len=16, max_requests=1)
     key, group = jnp.asarray(KEYS[0]), jnp.int32(0)
-    cache = init_state(layout).bp.cache
+    cache = init_state(layout).block_pool.prefix_cache
     for b in (1, 2):
         cache = insert(cache, jnp.int32(b), key, group)
     start = 2**31 - 2  # block 1 cached at start - 2, block 2 at start - 1
@@ -224,7 +224,7 @@ def test_insertion_clock_is_renumbered_before_int32_ends():
         return int(lookup(cache, key[None], group[None])[0])
 
     assert third_after(cache) != 2  # without renumbering: the wrapped clock makes a newer block "oldest"
-    st = jax.jit(ops.new_step, static_argnums=0)(layout, replace(init_state(layout), bp=replace(
-        init_state(layout).bp, cache=cache)))
-    assert int(st.bp.cache.clock) == 2 and np.asarray(st.bp.cache.cached_at)[[1, 2]].tolist() == [0, 1]
-    assert third_after(st.bp.cache) == 2
+    st = jax.jit(ops.new_step, static_argnums=0)(layout, replace(init_state(layout), block_pool=replace(
+        init_state(layout).block_pool, prefix_cache=cache)))
+    assert int(st.block_pool.prefix_cache.clock) == 2 and np.asarray(st.block_pool.prefix_cache.cached_at)[[1, 2]].tolist() == [0, 1]
+    assert third_after(st.block_pool.prefix_cache) == 2

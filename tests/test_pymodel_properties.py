@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import jax
 
 from hkv_jax.allocator.kv_cache_manager import KVCacheManager
-from hkv_jax.allocator.pool import queue_order
+from hkv_jax.allocator.free_queue import queue_order
 from hkv_jax.allocator.pymodel import NULL, RUNNING, WAITING, PyAllocator
 from hkv_jax.planner import plan
 from hkv_jax.spec import FullAttentionSpec, MambaSpec
@@ -110,7 +110,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.jax.num_free_blocks == a.num_free_blocks
         # Host copies of the fields checked (indexing numpy arrays dispatches no jax operation).
         pool, block_slot, tables, lens, computed, ntok = jax.device_get(
-            (st.bp.pool, st.bp.cache.block_slot, st.tables, st.table_len, st.num_computed, st.num_tokens))
+            (st.block_pool.free_queue, st.block_pool.prefix_cache.block_slot, st.tables, st.table_len, st.num_computed, st.num_tokens))
         assert queue_order(pool) == a.free_queue
         assert pool.ref_count.tolist() == a.ref
         assert (block_slot >= 0).tolist() == [h is not None for h in a.hash]

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from hkv_jax.demo import DemoConfig, build_engine
-from hkv_jax.engine import engine as engine_module
+from hkv_jax.engine import runner as runner_module
 from hkv_jax.models.tokenizer import ByteCodec, gemma_chat
 from hkv_jax.serve import CompletionServer
 
@@ -407,15 +407,15 @@ def test_the_warm_up_compiles_every_admission_and_scoring_size_and_changes_nothi
     engine, _ = build_engine(replace(CFG, num_blocks=CFG.num_blocks + 1, max_requests=2, max_model_len=40),
                              **OPTIONS | {"max_top_logprobs": 3})
     before = jax.tree.map(np.asarray, engine.state.alloc)
-    compiled = engine_module._PREPARE._cache_size()
+    compiled = runner_module.PREPARE._cache_size()
     engine.compile_admissions()
-    assert engine_module._PREPARE._cache_size() - compiled == 2
+    assert runner_module.PREPARE._cache_size() - compiled == 2
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, engine.state.alloc))
-    compiled = engine_module._PROMPT_LOGPROBS._cache_size()
+    compiled = runner_module.PROMPT_LOGPROBS._cache_size()
     engine.compile_scoring()
-    assert engine_module._PROMPT_LOGPROBS._cache_size() - compiled == 1
+    assert runner_module.PROMPT_LOGPROBS._cache_size() - compiled == 1
     for length, top in ((1, 0), (2, 3), (40, 1)):
         scored = engine.prompt_logprobs([7] * length, top=top)
         assert len(scored) == length and all(len(likeliest) == top for _, likeliest in scored[1:])
-    assert engine_module._PROMPT_LOGPROBS._cache_size() - compiled == 1
+    assert runner_module.PROMPT_LOGPROBS._cache_size() - compiled == 1
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, engine.state.alloc))

@@ -18,8 +18,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hkv_jax.allocator import block_pool as BP
-from hkv_jax.allocator import prefix_cache as pc
+from hkv_jax.allocator import block_pool
+from hkv_jax.allocator import prefix_cache
 from hkv_jax.allocator.managers import allocation, hit_blocks, release_row, skipped_tokens
 from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout
 from hkv_jax.planner import cdiv
@@ -39,8 +39,8 @@ def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: ja
     nh = state.num_tokens[slot] // bs
     valid = jnp.arange(H) < nh
     if key_slots is None:  # one probe per hash: its slot holds every group's entry
-        key_slots = pc.row_entries(state.bp.cache, pc.find_slots(state.bp.cache, hashes)).T
-    found = pc.block_at(state.bp.cache, key_slots)
+        key_slots = prefix_cache.row_entries(state.block_pool.prefix_cache, prefix_cache.find_slots(state.block_pool.prefix_cache, hashes)).T
+    found = prefix_cache.block_at(state.block_pool.prefix_cache, key_slots)
     found = jnp.where(valid[None, :], found, 0)
     sgs = [(layout.groups[sg[0]].spec, list(sg)) for sg in layout.spec_groups]
     all_found = [jnp.all(found[jnp.array(sg)] > 0, axis=0) for _, sg in sgs]
@@ -99,7 +99,7 @@ def cached_this_step(layout: Layout, state: AllocatorState, blocks: jax.Array) -
     state cannot serve a hit before the next step)."""
     if not layout.mamba_groups:
         return jnp.zeros(blocks.shape, bool)
-    at = layout.step_cached_index(state.bp.cache, blocks)
+    at = layout.step_cached_index(state.block_pool.prefix_cache, blocks)
     return state.step_cached.at[at].get(mode="fill", fill_value=False)
 
 
@@ -115,13 +115,13 @@ def _remove_skipped(layout: Layout, state: AllocatorState, slot, g: int, compute
     """Release the blocks group ``g`` no longer needs after ``computed`` tokens (replaced by the null block)."""
     row, retired, released = release_row(layout, g, state.tables[slot, g], state.table_len[slot, g],
                                          state.retired[slot, g], state.last_state[slot, g], computed)
-    bp = BP.free_blocks(BP.free_blocks(state.bp, released[0], front=layout.evicts_early(g)), released[1])
-    return _set_row(replace(state, bp=bp), slot, g, row, retired=retired)
+    bp = block_pool.free_blocks(block_pool.free_blocks(state.block_pool, released[0], front=layout.evicts_early(g)), released[1])
+    return _set_row(replace(state, block_pool=bp), slot, g, row, retired=retired)
 
 
-def _pop(bp: BP.BlockPoolState, count, max_count: int):
+def _pop(bp: block_pool.BlockPool, count, max_count: int):
     """``get_new_blocks``, skipped when nothing is wanted."""
-    return jax.lax.cond(count > 0, lambda: BP.get_new_blocks(bp, count, max_count),
+    return jax.lax.cond(count > 0, lambda: block_pool.get_new_blocks(bp, count, max_count),
                         lambda: (bp, jnp.zeros(max_count, jnp.int32)))
 
 
@@ -154,7 +154,7 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
         st = _remove_skipped(layout, st, slot, g, computed)
 
     # Blocks the call takes from the free queue: new ones, and hit blocks that sit in the queue.
-    ref = st.bp.pool.ref_count
+    ref = st.block_pool.free_queue.ref_count
     total = jnp.int32(0)
     impossible = jnp.bool_(False)
     for g in range(G):
@@ -171,13 +171,13 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
             wait_cnt = jnp.maximum(required - jnp.maximum(skipped, nhit + L), 0) + jnp.sum(
                 free_hit & (idx >= jnp.maximum(0, skipped - L)), dtype=jnp.int32)
             total += jnp.where(waiting, wait_cnt, jnp.maximum(required - L, 0))
-    ok = ~impossible & (total <= st.bp.pool.num_free) & (n > 0)
+    ok = ~impossible & (total <= st.block_pool.free_queue.num_free) & (n > 0)
 
     def commit(st: AllocatorState) -> tuple[AllocatorState, jax.Array]:
         for g in range(G):
             skipped = skipped_tokens(layout.groups[g].spec, computed) // bs
             row = jnp.where((idx >= skipped) & (idx < nhit), hits_m[g], 0)
-            st = replace(st, bp=BP.touch(st.bp, jnp.where(waiting, row, 0)))
+            st = replace(st, block_pool=block_pool.touch(st.block_pool, jnp.where(waiting, row, 0)))
             st = _set_row(st, slot, g, jnp.where(waiting, row, st.tables[slot, g]),
                           jnp.where(waiting, nhit, st.table_len[slot, g]),
                           num_cached=jnp.where(waiting, nhit, st.num_cached[slot, g]))
@@ -186,20 +186,20 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
             row = st.tables[slot, g]
             cnt, first, length, last = allocation(layout, g, st.table_len[slot, g], main, need,
                                                   st.last_state[slot, g])
-            bp, ids = _pop(st.bp, cnt, 1 if layout.is_mamba(g) else M)
+            bp, ids = _pop(st.block_pool, cnt, 1 if layout.is_mamba(g) else M)
             row = row.at[jnp.where(idx < cnt, first + idx, M)].set(ids[jnp.minimum(idx, ids.shape[0] - 1)],
                                                                    mode="drop")
-            st = _set_row(replace(st, bp=bp), slot, g, row, length, last_state=last)
+            st = _set_row(replace(st, block_pool=bp), slot, g, row, length, last_state=last)
         # Enter every newly filled block in the prefix cache (dense retention).
         hashes = jnp.pad(st.hashes[slot], ((0, M - H), (0, 0)))
         for g in range(G):
             row, before = st.tables[slot, g], st.num_cached[slot, g]
             new = jnp.where((idx >= before) & (idx < nfull), row, 0)
-            bp = BP.cache_blocks(st.bp, row, hashes, jnp.int32(g), before, jnp.maximum(before, nfull))
+            bp = block_pool.cache_blocks(st.block_pool, row, hashes, jnp.int32(g), before, jnp.maximum(before, nfull))
             step_cached = st.step_cached
             if layout.is_mamba(g):
-                step_cached = step_cached.at[layout.step_cached_index(bp.cache, new)].set(True, mode="drop")
-            st = replace(st, bp=bp, step_cached=step_cached).with_counters(
+                step_cached = step_cached.at[layout.step_cached_index(bp.prefix_cache, new)].set(True, mode="drop")
+            st = replace(st, block_pool=bp, step_cached=step_cached).with_counters(
                 slot, g, num_cached=jnp.maximum(before, nfull))
         st = st.with_counters(slot, status=RUNNING, num_computed=C + h + n)
         return st, first_new

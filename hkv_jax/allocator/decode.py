@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import functools
 from dataclasses import replace
 from typing import NamedTuple
@@ -9,8 +10,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hkv_jax.allocator import block_pool as BP
-from hkv_jax.allocator import pool as P
+from hkv_jax.allocator import block_pool
+from hkv_jax.allocator import free_queue, prefix_cache
 from hkv_jax.allocator.coordinator import schedule_batch
 from hkv_jax.allocator.managers import allocation, release_row, skipped_tokens
 from hkv_jax.allocator.state import (RUNNING, AllocatorState, Layout, cond_mutable, counter, set_counters,
@@ -18,12 +19,21 @@ from hkv_jax.allocator.state import (RUNNING, AllocatorState, Layout, cond_mutab
 from hkv_jax.spec import FullAttentionSpec
 
 
+class DecodePath(enum.IntEnum):
+    """Which path ``decode_step`` took (its third result, ``i32[]``)."""
+
+    COUNTED = 0        # no block moved: it only counted the token
+    VECTORISED = 1     # blocks moved, all lanes at once
+    MANY_RELEASES = 2  # vectorised, with free calls that release several blocks each
+    FALLBACK = 3       # the sequential ``schedule_batch`` (or, with ``fallback=False``, nothing applied)
+
+
 class _DecodePlan(NamedTuple):
     """What a busy decode step does (``decode_step``), planned read-only."""
 
-    branch: jax.Array     # i32[]: 1 vectorised, 2 vectorised with many releases if they fit, 3 sequential
-    releases: P.Release   # the free calls (one block each), less the blocks taken again in the step
-    pop: P.PopPlan        # ``total`` blocks from the queue as it was ...
+    branch: jax.Array     # i32[]: a ``DecodePath`` other than COUNTED
+    releases: free_queue.Release   # the free calls (one block each), less the blocks taken again in the step
+    pop: free_queue.PopPlan        # ``total`` blocks from the queue as it was ...
     old_count: jax.Array  # i32[]: ... of which the step takes these (the others come from its releases)
     new_block: jax.Array  # i32[B, G]: the new block of each (request, group), 0 = none
     blk: jax.Array        # i32[B, G]: the block this token filled
@@ -51,10 +61,9 @@ def decode_step(layout: Layout, state: AllocatorState, slots, fallback: bool = T
     request-by-request order. Where that needs more (a nearly full pool, a queue to compact, an
     evicted key with duplicates) it falls back to ``schedule_batch``. A busy step plans everything
     read-only first, so its branch updates the state in place.
-    Returns (state, ok ``bool[B]``, the path taken ``i32[]``: 0 = only counted the token, 1 = vectorised,
-    2 = vectorised with free calls releasing several blocks, 3 = sequential fallback).
+    Returns (state, ok ``bool[B]``, the path taken: ``DecodePath`` as ``i32[]``).
 
-    ``fallback`` (static) False leaves the fallback out of the program: path 3 then applies nothing
+    ``fallback`` (static) False leaves the fallback out of the program: ``DecodePath.FALLBACK`` then applies nothing
     (the state comes back unchanged, ``ok`` all False) and the caller runs ``schedule_batch(layout,
     state, slots, 1)`` itself. The program is much smaller, and on CPU a call's fixed cost grows with
     the program even where a branch never runs. A host loop on CPU does better still with
@@ -76,7 +85,7 @@ def count_if_idle(layout: Layout, state: AllocatorState, slots, mask) -> tuple[A
 
 
 def idle_decode(layout: Layout, state: AllocatorState, slots) -> tuple[AllocatorState, jax.Array]:
-    """Whether ``decode_step(layout, state, slots)`` would only count the token (path 0, the usual
+    """Whether ``decode_step(layout, state, slots)`` would only count the token (``DecodePath.COUNTED``, the usual
     step), and the state it would leave then (else ``state`` itself).
 
     A host loop calls this first and, when the step is idle, takes the returned state; otherwise it
@@ -102,10 +111,10 @@ def _idle_decode(layout: Layout, inputs: _DecodeInputs, slots):
     return counts, jnp.all(lane_idle)
 
 
-def _plan_releases(cache, pool: P.BlockPool, calls: jax.Array, early: jax.Array) -> P.Release:
+def _plan_releases(cache, pool: free_queue.FreeBlockQueue, calls: jax.Array, early: jax.Array) -> free_queue.Release:
     """The free calls ``calls: i32[K, W]`` of a step (request, group, call order), ``early: bool[K, W]``
     those released as they leave a window (window-aware eviction)."""
-    return P.plan_free(pool, calls, BP.to_back(cache, calls, early))
+    return free_queue.plan_free(pool, calls, block_pool.to_back(cache, calls, early))
 
 
 def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, fallback: bool, count_only: bool):
@@ -200,13 +209,13 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
                                      1).reshape(-1)
         return {g: o[0] for g, o in out.items()}, wide, jnp.broadcast_to(wide_early[:, None], wide.shape)
 
-    def busy_plan(state: AllocatorState, releases: P.Release, pop: P.PopPlan, keys) -> tuple[_DecodePlan, jax.Array]:
+    def busy_plan(state: AllocatorState, releases: free_queue.Release, pop: free_queue.PopPlan, keys) -> tuple[_DecodePlan, jax.Array]:
         """The busy step's plan (``branch`` left 0) with the free calls ``releases`` made first, request by
         request: each request's new blocks come from the blocks it and earlier requests freed to the
         front, then from ``pop`` (the queue as it was: ``pops_after_releases``). Also whether evicting the
         new blocks' cache entries needs no promotion (a key with other blocks: the sequential schedule
         handles that)."""
-        taken = P.pops_after_releases(releases, jnp.sum(cnt, axis=1), G)
+        taken = free_queue.pops_after_releases(releases, jnp.sum(cnt, axis=1), G)
         i = jnp.cumsum(cnt, axis=1) - cnt                                    # the pop of (request, group)
         ids = jnp.take_along_axis(taken.ids, i, axis=1)
         old = pop.ids[jnp.clip(jnp.take_along_axis(taken.old_rank, i, axis=1), 0, B * G - 1)]
@@ -216,40 +225,40 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
                                    entry(state.tables, g, before[:, g])) for g in range(G)], 1)
         plan = _DecodePlan(jnp.int32(0), taken.release, pop, taken.old_count, new_block, blk,
                            (nfull > before) & (blk > 0), keys)
-        return plan, ~jnp.any(BP.pc.needs_promotion(state.bp.cache, new_block.reshape(-1)))
+        return plan, ~jnp.any(prefix_cache.needs_promotion(state.block_pool.prefix_cache, new_block.reshape(-1)))
 
     def make_plan(state: AllocatorState) -> _DecodePlan:
-        pool, cache = state.bp.pool, state.bp.cache
+        pool, cache = state.block_pool.free_queue, state.block_pool.prefix_cache
         releases = _plan_releases(cache, pool, flat[:, None], early[:, None])
-        pop = P.pop_plan(pool, total, B * G)  # enough blocks free before the step, whatever the releases give
+        pop = free_queue.pop_plan(pool, total, B * G)  # enough blocks free before the step, whatever the releases give
         vectorisable = jnp.all(running | ~mask) & (total <= pool.num_free) & pop.enough & jnp.all(nfull - before <= 1)
         # Vectorised, a block is cached only where before == nfull - 1: one hash per request.
         keys = state.hashes[slots, jnp.clip(nfull[:, 0] - 1, 0, state.hashes.shape[1] - 1)]  # [B, 4]
         plan, alone = busy_plan(state, releases, pop, keys)
         fast = vectorisable & single & releases.fits & alone
         # Free calls releasing several blocks (the first step after a long prefill) are planned in their
-        # own branch, which applies them only where they fit (else nothing: path 3).
+        # own branch, which applies them only where they fit (else nothing: ``DecodePath.FALLBACK``).
         many = vectorisable & ~single & bool(release_groups)
-        return plan._replace(branch=jnp.where(fast, 1, jnp.where(many, 2, 3)).astype(jnp.int32))
+        return plan._replace(branch=jnp.where(fast, DecodePath.VECTORISED, jnp.where(many, DecodePath.MANY_RELEASES, DecodePath.FALLBACK)).astype(jnp.int32))
 
     mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
 
     def count_token(state: AllocatorState):
-        return state.with_counters(at, num_computed=C + 1), (mask, jnp.int32(0))
+        return state.with_counters(at, num_computed=C + 1), (mask, jnp.int32(DecodePath.COUNTED))
 
     def unapplied(state: AllocatorState):
-        return state, (jnp.zeros(B, bool), jnp.int32(3))
+        return state, (jnp.zeros(B, bool), jnp.int32(DecodePath.FALLBACK))
 
     def vectorised(state: AllocatorState, plan: _DecodePlan, rows_after: dict | None):
         # The pops from the queue as it was first (the releases' front blocks go before the new head),
         # then the releases; every new block held once.
-        p = P.apply_free(P.pop_apply(state.bp.pool, P.pop_prefix(plan.pop, plan.old_count), hold=False),
+        p = free_queue.apply_free(free_queue.pop_apply(state.block_pool.free_queue, free_queue.pop_prefix(plan.pop, plan.old_count), hold=False),
                          plan.releases)
         taken = plan.new_block.reshape(-1)
         p = replace(p, ref_count=p.ref_count.at[jnp.where(taken > 0, taken, p.num_blocks)].set(1, mode="drop"))
-        c = BP.pc.evict_alone(state.bp.cache, taken)
+        c = prefix_cache.evict_alone(state.block_pool.prefix_cache, taken)
         todo, blk = plan.todo, plan.blk
-        c = BP.pc.insert_rows(c, jnp.where(todo, blk, 0), plan.keys)
+        c = prefix_cache.insert_rows(c, jnp.where(todo, blk, 0), plan.keys)
         marked = jnp.where(todo & mamba_g[None, :], blk, 0)
         step_cached = state.step_cached.at[layout.step_cached_index(c, marked)].set(True, mode="drop")
         # Table entries: the released ones become null, the new block goes in.
@@ -264,25 +273,25 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
                 tables = tables.at[at, g, jnp.where(ok, j, M)].set(0, mode="drop")
         st = replace(
             state,
-            bp=BP.BlockPoolState(pool=p, cache=c),
+            block_pool=block_pool.BlockPool(free_queue=p, prefix_cache=c),
             step_cached=step_cached,
             tables=tables,
         ).with_counters(at, table_len=lens_new, retired=retired_new, last_state=last_new, num_cached=num_cached,
                         num_computed=C + 1)
-        return st, (mask, jnp.int32(2 if rows_after else 1))
+        return st, (mask, jnp.int32(DecodePath.MANY_RELEASES if rows_after else DecodePath.VECTORISED))
 
     def many_releases(state: AllocatorState, plan: _DecodePlan):
         """The free calls as they are (several blocks each), planned once: applied when they fit and the
-        new blocks' cache entries need no promotion, else nothing is (path 3)."""
+        new blocks' cache entries need no promotion, else nothing is (``DecodePath.FALLBACK``)."""
         rows_after, wide, wide_early = wide_calls(state.tables)
-        rel = _plan_releases(state.bp.cache, state.bp.pool, wide, wide_early)
+        rel = _plan_releases(state.block_pool.prefix_cache, state.block_pool.free_queue, wide, wide_early)
         plan, alone = busy_plan(state, rel, plan.pop, plan.keys)
         plan, state = jax.lax.optimization_barrier((plan, state))  # reads before writes, as in ``busy``
         return cond_mutable(rel.fits & alone, lambda s: vectorised(s, plan, rows_after), unapplied, state)
 
     def sequential(state: AllocatorState):
         st, ok, _, _ = schedule_batch(layout, state, slots, jnp.ones(B, jnp.int32), mask)
-        return st, (ok, jnp.int32(3))
+        return st, (ok, jnp.int32(DecodePath.FALLBACK))
 
     def busy(state: AllocatorState):
         """Plan (reads), then update in place: the barrier orders the reads before the writes,
@@ -295,7 +304,7 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
             fns, index = [fns[0], fns[2]], jnp.minimum(index, 1)
         state, (ok, path) = switch_mutable(index, fns, state)
         if fallback:  # one copy of the sequential schedule, after the branch that found it needed
-            state, (ok, path) = cond_mutable(path == 3, sequential, lambda s: (s, (ok, path)), state)
+            state, (ok, path) = cond_mutable(path == DecodePath.FALLBACK, sequential, lambda s: (s, (ok, path)), state)
         return state, (ok, path)
 
     state, (ok, path) = switch_mutable(jnp.where(idle, 0, 1), [count_token, busy], state)

@@ -84,7 +84,7 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds (cached or not), null block excluded."""
-        return int(self.state.bp.pool.num_free)
+        return int(self.state.block_pool.free_queue.num_free)
 
     def add(self, rid: str, prompt: list[int], salt: int = 0) -> None:
         """A new waiting request (no blocks taken)."""

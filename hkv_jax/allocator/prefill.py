@@ -7,8 +7,8 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 
-from hkv_jax.allocator import block_pool as BP
-from hkv_jax.allocator import pool as P
+from hkv_jax.allocator import block_pool
+from hkv_jax.allocator import free_queue, prefix_cache
 from hkv_jax.allocator.coordinator import cached_this_step, lookup, schedule_batch, token_counts
 from hkv_jax.allocator.managers import allocation, skipped_tokens
 from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout, cond_mutable, counter
@@ -80,8 +80,8 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     hashes = state.hashes[slots]                                              # [B, H, 4]
     # Every block hash is looked up once (one slot holds every group's entry): the hit search and the
     # cache insert share it. Entries past the H hashed ones are never cached (full blocks number <= H).
-    hash_slots = BP.pc.find_slots(state.bp.cache, hashes)                     # [B, H]
-    key_slots = jnp.swapaxes(BP.pc.row_entries(state.bp.cache, hash_slots), 1, 2)  # [B, G, H] entry ids
+    hash_slots = prefix_cache.find_slots(state.block_pool.prefix_cache, hashes)                     # [B, H]
+    key_slots = jnp.swapaxes(prefix_cache.row_entries(state.block_pool.prefix_cache, hash_slots), 1, 2)  # [B, G, H] entry ids
     hit_blocks, h, _ = jax.vmap(lambda s, f: lookup(layout, state, s, f))(slots, key_slots)  # [B, G, H]
     h = jnp.where(mask, h, 0)
     hits = jnp.pad(hit_blocks, ((0, 0), (0, 0), (0, M - H)))               # [B, G, M]
@@ -105,17 +105,17 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     rows = jnp.where(mask[:, None, None], rows, 0)
     total = jnp.sum(cnt)
 
-    pool, cache = state.bp.pool, state.bp.cache
+    pool, cache = state.block_pool.free_queue, state.block_pool.prefix_cache
     held = pool.ref_count[rows] > 0
     mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
     last_hit = jnp.take_along_axis(rows, jnp.maximum(nhit - 1, 0)[:, None, None], axis=2)[:, :, 0]  # [B, G]
     stale = mamba_g[None] & (nhit[:, None] > 0) & cached_this_step(layout, state, last_hit)
     max_new = B * G * M
-    pop = P.pop_plan(pool, total, max_new)
+    pop = free_queue.pop_plan(pool, total, max_new)
     fast = (
         jnp.all((counter(counts, "status") == WAITING) | ~mask) & jnp.all((counter(counts, "table_len") == 0) | ~mask[:, None])
         & jnp.all((n > 0) | ~mask) & jnp.all(held | (rows == 0)) & ~computes_shared_block(hashes, nhit, nfull)
-        & ~jnp.any(stale) & (total <= pool.num_free) & pop.enough & ~jnp.any(BP.pc.needs_promotion(cache, pop.ids))
+        & ~jnp.any(stale) & (total <= pool.num_free) & pop.enough & ~jnp.any(prefix_cache.needs_promotion(cache, pop.ids))
     )
     # New blocks in request, group, table order: entry j of (b, g) takes ids[offset + j - first].
     offset = (jnp.cumsum(cnt.reshape(-1)) - cnt.reshape(-1)).reshape(B, G)
@@ -126,19 +126,19 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
 
     def vectorised(state: AllocatorState):
         touched = jnp.where(fresh, 0, rows)
-        p = P.pop_apply(state.bp.pool, pop, hold=False)
+        p = free_queue.pop_apply(state.block_pool.free_queue, pop, hold=False)
         # One reference per table entry: a popped block's count goes 0 -> 1, a hit block's up by one.
         p = replace(p, ref_count=p.ref_count.at[jnp.where(rows > 0, rows, layout.num_blocks)].add(1, mode="drop"))
-        c = BP.pc.evict_alone(BP.mark_hit(state.bp.cache, touched), pop.ids)
+        c = prefix_cache.evict_alone(block_pool.mark_hit(state.block_pool.prefix_cache, touched), pop.ids)
         # A hash the lookup found is gone if the pop evicted its slot's last entry: a tombstone now.
         found = jnp.where((hash_slots >= 0) & (c.used[jnp.maximum(hash_slots, 0)] > 0), hash_slots, -1)
         new_rows = jnp.swapaxes(jnp.where(new_cached, rows, 0)[:, :, :H], 1, 2)  # [B, H, G]: a row per hash
-        c = BP.pc.insert_rows(c, new_rows.reshape(B * H, G), hashes.reshape(-1, 4), found=found.reshape(-1))
+        c = prefix_cache.insert_rows(c, new_rows.reshape(B * H, G), hashes.reshape(-1, 4), found=found.reshape(-1))
         marked = jnp.where(new_cached & mamba_g[None, :, None], rows, 0)
         step_cached = state.step_cached.at[layout.step_cached_index(c, marked)].set(True, mode="drop")
         st = replace(
             state,
-            bp=BP.BlockPoolState(pool=p, cache=c),
+            block_pool=block_pool.BlockPool(free_queue=p, prefix_cache=c),
             step_cached=step_cached,
             tables=state.tables.at[at].set(rows, mode="drop"),
         ).with_counters(at, status=RUNNING, table_len=jnp.stack(lens, 1), num_cached=jnp.maximum(nhit, nfull)[:, None],

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import jax
 import jax.numpy as jnp
 
-from hkv_jax.allocator.pool import running_count
+from hkv_jax.allocator.free_queue import running_count
 
 EMPTY, TOMBSTONE = -1, 0  # values of ``used``; a live slot counts its entries (> 0)
 

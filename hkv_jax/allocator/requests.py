@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hkv_jax.allocator import block_pool as BP
-from hkv_jax.allocator import pool as P
-from hkv_jax.allocator import prefix_cache as pc
+from hkv_jax.allocator import block_pool
+from hkv_jax.allocator import free_queue
+from hkv_jax.allocator import prefix_cache
 from hkv_jax.allocator.hashing import SEED, block_hashes, hash_one_block
 from hkv_jax.allocator.managers import eviction_order
 from hkv_jax.allocator.state import EMPTY, RUNNING, WAITING, AllocatorState, Layout
@@ -132,14 +132,14 @@ def append_batch(layout: Layout, state: AllocatorState, slots, tokens, mask=None
 def _release(layout: Layout, state: AllocatorState, slot, **counters) -> AllocatorState:
     """Free every block of ``slot``: group by group, each table last entry first (leading nulls skipped);
     its tables emptied and its request ``counters`` set."""
-    bp = state.bp
+    bp = state.block_pool
     M = layout.max_blocks
     idx = jnp.arange(M)
     for g in range(layout.num_groups):
         row, L = state.tables[slot, g], state.table_len[slot, g]
         first = jnp.min(jnp.where((idx < L) & (row != 0), idx, M))
-        bp = BP.free_blocks(bp, eviction_order(row, first, L))
-    return _clear_tables(replace(state, bp=bp), slot, **counters)
+        bp = block_pool.free_blocks(bp, eviction_order(row, first, L))
+    return _clear_tables(replace(state, block_pool=bp), slot, **counters)
 
 
 def free(layout: Layout, state: AllocatorState, slot) -> AllocatorState:
@@ -168,13 +168,13 @@ def release_batch(layout: Layout, state: AllocatorState, free: jax.Array, preemp
         lengths = state.table_len.at[slots].get(mode="fill", fill_value=0)  # [W, G]
         first = jnp.min(jnp.where((idx < lengths[..., None]) & (rows != 0), idx, M), axis=-1)
         calls = jax.vmap(jax.vmap(eviction_order))(rows, first, lengths).reshape(width * G, M)
-        cached = state.bp.cache.block_slot[calls] >= 0
-        return P.free_calls(pool, calls, cached)
+        cached = state.block_pool.prefix_cache.block_slot[calls] >= 0
+        return free_queue.free_calls(pool, calls, cached)
 
     count = jnp.sum(go, dtype=jnp.int32)
-    pool = jax.lax.fori_loop(0, (count + width - 1) // width, round_, state.bp.pool)
+    pool = jax.lax.fori_loop(0, (count + width - 1) // width, round_, state.block_pool.free_queue)
     at = jnp.where(go, jnp.arange(R), R)
-    state = replace(state, bp=replace(state.bp, pool=pool))
+    state = replace(state, block_pool=replace(state.block_pool, free_queue=pool))
     return _clear_tables(state, at, status=jnp.where(free, EMPTY, WAITING),
                          num_tokens=jnp.where(free, 0, state.num_tokens), num_computed=0)
 
@@ -194,11 +194,11 @@ def fork(layout: Layout, state: AllocatorState, src, dst) -> AllocatorState:
     keep = jnp.arange(layout.max_blocks) < nfull
     rows = jnp.where(keep, state.tables[src], 0)                       # i32[G, M]
     held = jnp.where(rows > 0, rows, layout.num_blocks).reshape(-1)
-    pool = replace(state.bp.pool, ref_count=state.bp.pool.ref_count.at[held].add(1, mode="drop"))
+    pool = replace(state.block_pool.free_queue, ref_count=state.block_pool.free_queue.ref_count.at[held].add(1, mode="drop"))
     copy = lambda a: a.at[dst].set(a[src])
     return replace(
         state,
-        bp=replace(state.bp, pool=pool),
+        block_pool=replace(state.block_pool, free_queue=pool),
         tokens=copy(state.tokens), salt=copy(state.salt), hashes=copy(state.hashes),
         tables=state.tables.at[dst].set(rows),
     ).with_counters(dst, status=jnp.where(nfull > 0, RUNNING, WAITING), num_tokens=state.num_tokens[src],
@@ -208,10 +208,10 @@ def fork(layout: Layout, state: AllocatorState, src, dst) -> AllocatorState:
 
 def reset_prefix_cache(layout: Layout, state: AllocatorState) -> tuple[AllocatorState, jax.Array]:
     """Drop every cache entry if no block is held; returns (state, ok)."""
-    ok = state.bp.pool.num_free == layout.num_blocks - 1
-    fresh = pc.reset(state.bp.cache)
-    cache = jax.tree.map(lambda a, b: jnp.where(ok, a, b), fresh, state.bp.cache)
-    return replace(state, bp=BP.BlockPoolState(pool=state.bp.pool, cache=cache),
+    ok = state.block_pool.free_queue.num_free == layout.num_blocks - 1
+    fresh = prefix_cache.reset(state.block_pool.prefix_cache)
+    cache = jax.tree.map(lambda a, b: jnp.where(ok, a, b), fresh, state.block_pool.prefix_cache)
+    return replace(state, block_pool=block_pool.BlockPool(free_queue=state.block_pool.free_queue, prefix_cache=cache),
                    step_cached=jnp.where(ok, False, state.step_cached)), ok
 
 
@@ -219,5 +219,5 @@ def new_step(layout: Layout, state: AllocatorState) -> AllocatorState:
     """A scheduler step begins: Mamba states cached in the previous step may now serve hits. Call it
     once per step: it also renumbers the prefix cache's insertion clock before it nears int32's end."""
     del layout
-    cache = jax.lax.cond(state.bp.cache.clock >= pc.CLOCK_LIMIT, pc.renumber_clock, lambda c: c, state.bp.cache)
-    return replace(state, bp=replace(state.bp, cache=cache), step_cached=jnp.zeros_like(state.step_cached))
+    cache = jax.lax.cond(state.block_pool.prefix_cache.clock >= prefix_cache.CLOCK_LIMIT, prefix_cache.renumber_clock, lambda c: c, state.block_pool.prefix_cache)
+    return replace(state, block_pool=replace(state.block_pool, prefix_cache=cache), step_cached=jnp.zeros_like(state.step_cached))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 import jax
 import jax.numpy as jnp
 
-from hkv_jax.allocator import block_pool as BP
+from hkv_jax.allocator import block_pool
 from hkv_jax.planner import KVCacheConfig, cdiv
 from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
@@ -186,7 +186,7 @@ class AllocatorState:
     """The allocator's state.
 
     Fields:
-      bp: the block pool (free queue + prefix cache).
+      block_pool: the block pool (free queue + prefix cache).
       step_cached: ``bool[num_slots * num_mamba_groups]`` prefix-cache entries (slot, Mamba group) a Mamba
         group cached during the current step (``Layout.step_cached_index``); ``bool[1]``, unused, without
         Mamba groups.
@@ -206,7 +206,7 @@ class AllocatorState:
       retired: ``i32[R, G]`` Mamba: table entries below this index were released.
     """
 
-    bp: BP.BlockPoolState
+    block_pool: block_pool.BlockPool
     step_cached: jax.Array
     counts: jax.Array
     tokens: jax.Array
@@ -231,11 +231,11 @@ class AllocatorState:
 def init_state(layout: Layout) -> AllocatorState:
     """An empty allocator: every block free, no request, nothing cached (a jitted call; ``layout`` static)."""
     R, G, M, T = layout.max_requests, layout.num_groups, layout.max_blocks, layout.max_model_len
-    bp = BP.init_block_pool(layout.num_blocks, G)
+    bp = block_pool.init_block_pool(layout.num_blocks, G)
     return AllocatorState(
-        bp=bp,
+        block_pool=bp,
         # One unused entry without Mamba groups (checkpointing refuses zero-size arrays).
-        step_cached=jnp.zeros(max(bp.cache.used.shape[0] * len(layout.mamba_groups), 1), bool),
+        step_cached=jnp.zeros(max(bp.prefix_cache.used.shape[0] * len(layout.mamba_groups), 1), bool),
         counts=set_counters(jnp.zeros((R, _num_counters(G)), jnp.int32), slice(None), last_state=-1),
         tokens=jnp.zeros((R, T), jnp.int32),
         salt=jnp.zeros((R, 1), jnp.uint32),

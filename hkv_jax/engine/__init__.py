@@ -1,6 +1,15 @@
-"""Serving: a host-side scheduling policy (``engine.py``) around one jitted step (``step.py``)."""
+"""Serving, in vLLM v1's layering: ``Engine`` (``engine.py``) in front of a ``Scheduler`` (host only), a
+``ModelRunner`` (the jitted step programs, ``step.py``) and an ``OutputProcessor``."""
 
-from hkv_jax.engine.engine import Engine, Request, Stats
-from hkv_jax.engine.step import EngineState, StepOutput, StepPlan, sample, step
+from hkv_jax.engine.config import EngineConfig
+from hkv_jax.engine.engine import Engine, KVUsage
+from hkv_jax.engine.request import FinishReason, Request, RequestStatus, check_stop
+from hkv_jax.engine.sampling_params import SamplingParams
+from hkv_jax.engine.scheduler import Scheduler, SchedulerOutput
+from hkv_jax.engine.stats import Stats
+from hkv_jax.engine.sampler import sample
+from hkv_jax.engine.step import EngineState, StepOutput, StepPlan, StepReport, step
 
-__all__ = ["Engine", "EngineState", "Request", "Stats", "StepOutput", "StepPlan", "sample", "step"]
+__all__ = ["Engine", "EngineConfig", "EngineState", "FinishReason", "KVUsage", "Request", "RequestStatus",
+           "SamplingParams", "Scheduler", "SchedulerOutput", "Stats", "StepOutput", "StepPlan", "StepReport",
+           "check_stop", "sample", "step"]

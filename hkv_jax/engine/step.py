@@ -44,9 +44,13 @@ import numpy as np
 from flax import nnx
 
 from hkv_jax.allocator import ops
+from hkv_jax.allocator.decode import DecodePath
 from hkv_jax.allocator.state import WAITING, AllocatorState, Layout, hash_once
 from hkv_jax.attention import make_metadata
 from hkv_jax.cache import KVCache
+from hkv_jax.engine.request import may_stop
+from hkv_jax.engine.sampler import bias_logits, penalize, sample
+from hkv_jax.engine.sampling_params import KNOBS
 from kernels_pallas.reference import query_positions
 
 
@@ -82,10 +86,7 @@ class Changes:
 # values as their bits): name, dtype, and the value that leaves it out (greedy, no cut, no seed, no
 # penalty). ``prompt_len`` tells the penalties which of a request's tokens are its prompt, and
 # ``min_tokens`` when the bias entries of value -inf (its stop tokens) stop applying.
-SAMPLING = (("temperature", np.float32, 0.0), ("top_p", np.float32, 1.0), ("top_k", np.int32, 0),
-            ("min_p", np.float32, 0.0), ("seed", np.int32, -1), ("repetition_penalty", np.float32, 1.0),
-            ("presence_penalty", np.float32, 0.0), ("frequency_penalty", np.float32, 0.0),
-            ("prompt_len", np.int32, 0), ("min_tokens", np.int32, 0))
+SAMPLING = tuple((k.name, k.dtype, k.neutral) for k in KNOBS) + (("prompt_len", np.int32, 0), ("min_tokens", np.int32, 0))
 
 
 @jax.tree_util.register_dataclass
@@ -171,6 +172,48 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
+class StepReport:
+    """The reports of consecutive steps of one plan, read back to the host, by name:
+    ``data: i32[steps, 7 + 2N, n]`` (``StepOutput.report`` of each step, its first ``n`` lanes)."""
+
+    data: np.ndarray
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    def steps(self, part: slice) -> "StepReport":
+        """The reports of the steps in ``part``."""
+        return StepReport(self.data[part])
+
+    def _row(self, name: str) -> np.ndarray:
+        return self.data[:, REPORT_ROWS.index(name)]
+
+    ok = property(lambda self: self._row("ok"))                # i32[steps, n]: the lane was allocated
+    num_new = property(lambda self: self._row("num_new"))      # i32[steps, n]: tokens computed
+    cache_hit = property(lambda self: self._row("cache_hit"))  # i32[steps, n]: prefix-cache tokens
+    sampled = property(lambda self: self._row("sampled"))      # i32[steps, n]: a token was sampled
+    tokens = property(lambda self: self._row("tokens"))        # i32[steps, n]: the token, or -1
+    idle_next = property(lambda self: self._row("idle_next"))  # i32[steps, n]: its next decode only counts
+    logprob = property(lambda self: self._row("logprob").view(np.float32))  # f32[steps, n]
+
+    @property
+    def top_ids(self) -> np.ndarray:
+        """``i32[steps, N, n]``: the likeliest tokens, likeliest first."""
+        N = (self.data.shape[1] - len(REPORT_ROWS)) // 2
+        return self.data[:, len(REPORT_ROWS):len(REPORT_ROWS) + N]
+
+    @property
+    def top_logprobs(self) -> np.ndarray:
+        """``f32[steps, N, n]``: their log-probabilities."""
+        N = (self.data.shape[1] - len(REPORT_ROWS)) // 2
+        return self.data[:, len(REPORT_ROWS) + N:].view(np.float32)
+
+    def clean_decodes(self) -> np.ndarray:
+        """``bool[steps]``: the steps where every lane decoded one token, allocated and sampled."""
+        return ((self.ok == 1) & (self.num_new == 1) & (self.cache_hit == 0) & (self.sampled == 1)).all(1)
+
+
+@dataclass(frozen=True)
 class StepStatic:
     """The static part of a step (jit cache key): model graph and the tree structure of its parameters
     (the step takes them as a flat list, which jit flattens in C++; an ``nnx.State`` is flattened in
@@ -195,78 +238,6 @@ class StepStatic:
     def report_rows(self) -> int:
         """Rows of its ``StepOutput.report``."""
         return len(REPORT_ROWS) + 2 * self.top_logprobs
-
-
-def _per_row(x, dtype, rows: int) -> jax.Array:
-    """``x`` (one value, or one per row) as ``[rows, 1]`` of ``dtype``."""
-    return jnp.broadcast_to(jnp.asarray(x, dtype), (rows,))[:, None]
-
-
-def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=-1,
-           position=0) -> jax.Array:
-    """One token per row of ``logits: [B, V]``, each row with its own sampling (``[B]`` or one value for
-    all). Greedy where ``temperature`` is 0 (an argmax; no sort when every row is greedy). Else, as vLLM
-    does: the logits divided by the temperature; tokens below ``min_p`` times the likeliest token's
-    probability and past the ``top_k`` likeliest (0: no limit) cut; then the smallest prefix of the rest
-    whose renormalised probability reaches ``top_p`` kept. A row with ``seed >= 0`` draws with the key
-    of its seed and ``position`` (the index of the token it samples), so its draw does not depend on
-    the other rows or on ``key`` (a ``jax.random.PRNGKey``), whose draws differ per row."""
-    B, V = logits.shape
-    column = functools.partial(_per_row, rows=B)
-    temperature = column(temperature, jnp.float32)
-    hot = temperature[:, 0] > 0
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def draw():
-        scaled = logits / jnp.maximum(temperature, 1e-6)
-        order = jnp.argsort(-scaled, axis=-1)
-        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        k = column(top_k, jnp.int32)
-        # min-p and top-k each keep a prefix of the sorted tokens; the first always stays.
-        rank = jnp.arange(V)
-        keep = ((probs >= column(min_p, jnp.float32) * probs[:, :1]) & ((rank < k) | (k <= 0))) | (rank == 0)
-        probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-        keep &= jnp.cumsum(probs, axis=-1) - probs <= column(top_p, jnp.float32)
-        seeds, positions = column(seed, jnp.int32)[:, 0], column(position, jnp.int32)[:, 0]
-        own = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds, positions)
-        keys = jnp.where((seeds >= 0)[:, None], own, jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(B)))
-        choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_logits, -jnp.inf))
-        drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-        return jnp.where(hot, drawn, greedy)
-
-    return jax.lax.cond(jnp.any(hot), draw, lambda: greedy)
-
-
-def bias_logits(logits: jax.Array, ids: jax.Array, values: jax.Array, generated: jax.Array,
-                min_tokens: jax.Array) -> jax.Array:
-    """``logits: [B, V]`` with row ``b``'s bias entries added (``ids, values: [B, M]``; id -1: none). An
-    entry of value -inf masks a stop token while the row has generated fewer than ``min_tokens[b]``
-    tokens (``generated[b]`` so far), as vLLM's ``min_tokens``; after that it applies no more."""
-    active = (ids >= 0) & ((values > -jnp.inf) | (generated < min_tokens)[:, None])
-    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], ids.shape)
-    return logits.at[rows, jnp.maximum(ids, 0)].add(jnp.where(active, values, 0.0).astype(logits.dtype))
-
-
-def penalize(logits: jax.Array, tokens: jax.Array, length: jax.Array, prompt_len: jax.Array,
-             repetition_penalty, presence_penalty, frequency_penalty) -> jax.Array:
-    """vLLM's penalties on ``logits: [B, V]``, row ``b`` having seen ``tokens[b, :length[b]]`` (``i32[B, L]``),
-    the first ``prompt_len[b]`` of them its prompt. A token seen anywhere has its logit divided by
-    ``repetition_penalty`` where positive, else multiplied (1: none); each generated token then loses
-    ``frequency_penalty`` per occurrence and ``presence_penalty`` once. Values ``[B]`` or one for all."""
-    B, V = logits.shape
-    pos = jnp.arange(tokens.shape[1])[None, :]
-    seen = pos < length[:, None]
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], tokens.shape)
-    counts = jnp.zeros((B, V), jnp.int32).at[rows, tokens].add((seen & (pos >= prompt_len[:, None])).astype(jnp.int32))
-    anywhere = jnp.zeros((B, V), bool).at[rows, tokens].max(seen)
-    column = functools.partial(_per_row, dtype=jnp.float32, rows=B)
-    r = column(repetition_penalty)
-    logits = jnp.where(anywhere, jnp.where(logits > 0, logits / r, logits * r), logits)
-    return logits - column(frequency_penalty) * counts - column(presence_penalty) * (counts > 0)
-
-
-# --- prepare: releases and admissions -------------------------------------------------------------
 
 
 def prepare(layout: Layout, alloc: AllocatorState, changes: Changes, vectorised: bool = True) -> AllocatorState:
@@ -323,7 +294,7 @@ def _schedule_vectorised(layout: Layout, alloc: AllocatorState, slots, want):
 
     def decode(a):
         a, ok, path = ops.decode_step(layout, a, slots, fallback=False, mask=decoding)
-        return a, ok, path == 3
+        return a, ok, path == DecodePath.FALLBACK
 
     alloc, ok, redo = jax.lax.cond(jnp.any(decoding), decode, lambda a: (a, jnp.zeros(R, bool), jnp.bool_(False)),
                                    alloc)
@@ -459,7 +430,7 @@ def decode_steps(static: StepStatic, steps: int, params: list[jax.Array], state:
         i, state, reports, logits, _ = carry
         alloc = ops.new_step(layout, state.alloc)
         alloc, ok, path = ops.decode_step(layout, alloc, slot_of, fallback=False, mask=active)
-        ran = path != 3  # the fallback's steps: this one does not run (decode_step applied nothing)
+        ran = path != DecodePath.FALLBACK  # the fallback's steps: this one does not run (decode_step applied nothing)
 
         def run():
             return _compute(static, params, state, plan, alloc, ok, ok.astype(jnp.int32), jnp.zeros_like(slot_of))
@@ -468,8 +439,8 @@ def decode_steps(static: StepStatic, steps: int, params: list[jax.Array], state:
         # repeats): the state before it is then dead, and XLA updates the pool and cache in place.
         skip = (replace(state, alloc=alloc), StepOutput(jnp.full_like(reports[0], -1), logits))
         state, out = jax.lax.cond(ran, run, lambda: skip)
-        sampled, tokens = out.report[3] != 0, out.report[4]
-        go = ran & (i + 1 < steps) & jnp.all(~active | (sampled & (left > i + 1) & ~jnp.isin(tokens, stops)))
+        sampled, tokens = out.row("sampled") != 0, out.row("tokens")
+        go = ran & (i + 1 < steps) & jnp.all(~active | (sampled & ~may_stop(left - (i + 1), tokens, stops)))
         return i + 1, state, reports.at[i].set(out.report), out.logits, go
 
     reports = jnp.full((steps, static.report_rows, plan.slots.shape[0]), -1, jnp.int32)

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from hkv_jax.models.gemma3 import Gemma3LM
-from hkv_jax.models.tokenizer import TextCodec, gemma_codec, tokenizer_from_gguf
+from hkv_jax.models.tokenizer import TextCodec, chat_template_of, gemma_codec, tokenizer_from_gguf
 from hkv_jax.models.weights import load_gemma3
 
 PRETRAINED = ("gemma-3-270m",)
@@ -51,7 +51,7 @@ def load_pretrained(model: str, *, kv_dtype: str = "float32", quantize: str | No
     path = pretrained_path(model)
     if path.suffix == ".gguf":
         tokenizer = tokenizer_from_gguf(path)
-        codec = gemma_codec(tokenizer)
+        codec = gemma_codec(tokenizer, chat_template=chat_template_of(path))
     else:
         from tokenizers import Tokenizer
 
@@ -60,5 +60,5 @@ def load_pretrained(model: str, *, kv_dtype: str = "float32", quantize: str | No
         config = json.loads((path / "config.json").read_text())
         eos = config.get("eos_token_id", 1)
         codec = gemma_codec(Tokenizer.from_file(str(path / "tokenizer.json")), bos_id=config.get("bos_token_id", 2),
-                            eos_id=eos[0] if isinstance(eos, list) else eos)
+                            eos_id=eos[0] if isinstance(eos, list) else eos, chat_template=chat_template_of(path))
     return load_gemma3(path, kv_dtype=kv_dtype, quantize=quantize, progress=progress), codec

@@ -14,6 +14,7 @@ as ``tokenizer.json`` next to the GGUF file, which loads in about a second.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,7 @@ class TextCodec:
     tokenizer: object
     bos_id: int
     eos_ids: tuple[int, ...]
+    chat_template: str | None = None  # the model's jinja2 chat template (``hkv_jax.serve.protocol.ChatTemplate``)
 
     def encode(self, text: str, *, bos: bool = True) -> list[int]:
         """Token ids of ``text``, BOS first unless ``bos=False``; control tokens in the text stay whole."""
@@ -83,17 +85,24 @@ class TextCodec:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def gemma_chat(messages: list[dict]) -> str:
-    """OpenAI-style ``messages`` (``role``: system, user or assistant; ``content``: text) in Gemma's turn
-    format, as its chat template writes them (content trimmed; Gemma has no system turn, so system text
-    opens the first user turn), ending with the model's turn opened. ``ValueError`` for a malformed list."""
+def check_messages(messages) -> None:
+    """``ValueError`` unless ``messages`` is a non-empty list of OpenAI-style messages (``role``: system,
+    user or assistant; ``content``: text)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
-    system, turns = [], []
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
                 or not isinstance(m.get("content"), str):
             raise ValueError("each message needs a role (system, user or assistant) and a string content")
+
+
+def gemma_chat(messages: list[dict]) -> str:
+    """OpenAI-style ``messages`` in Gemma's turn format, as its chat template writes them (content trimmed;
+    Gemma has no system turn, so system text opens the first user turn), ending with the model's turn
+    opened. ``ValueError`` for a malformed list (``check_messages``)."""
+    check_messages(messages)
+    system, turns = [], []
+    for m in messages:
         if m["role"] == "system":
             system.append(m["content"].strip())
         else:
@@ -105,10 +114,28 @@ def gemma_chat(messages: list[dict]) -> str:
     return "".join(f"<start_of_turn>{role}\n{text}<end_of_turn>\n" for role, text in turns) + "<start_of_turn>model\n"
 
 
-def gemma_codec(tokenizer, *, bos_id: int = 2, eos_id: int = 1) -> TextCodec:
+def gemma_codec(tokenizer, *, bos_id: int = 2, eos_id: int = 1, chat_template: str | None = None) -> TextCodec:
     """Gemma's codec: BOS 2, and generation stops at ``<eos>`` or ``<end_of_turn>``."""
     end_of_turn = tokenizer.token_to_id("<end_of_turn>")
-    return TextCodec(tokenizer, bos_id, (eos_id,) if end_of_turn is None else (eos_id, end_of_turn))
+    return TextCodec(tokenizer, bos_id, (eos_id,) if end_of_turn is None else (eos_id, end_of_turn), chat_template)
+
+
+def chat_template_of(path: str | Path) -> str | None:
+    """The chat template a model ships (``None``: none): a GGUF file's ``tokenizer.chat_template``, or a
+    Hugging Face directory's ``chat_template.jinja`` or ``tokenizer_config.json``'s ``chat_template`` (a
+    string, or named templates of which ``default`` is taken)."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from hkv_jax.models.gguf_file import GGUFFile
+
+        return GGUFFile(path).metadata.get("tokenizer.chat_template")
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    config = path / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    if isinstance(template, list):  # [{"name": ..., "template": ...}]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
 
 
 @dataclass(frozen=True)

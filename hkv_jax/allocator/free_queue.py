@@ -43,7 +43,7 @@ def running_count(flags: jax.Array) -> jax.Array:
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class BlockPool:
+class FreeBlockQueue:
     """Ref counts and free-queue order of ``num_blocks`` blocks (block 0 = null block).
 
     Fields:
@@ -71,24 +71,24 @@ class BlockPool:
         return self.ref_count.shape[0]
 
 
-def _span(pool: BlockPool) -> tuple[jax.Array, jax.Array]:
+def _span(pool: FreeBlockQueue) -> tuple[jax.Array, jax.Array]:
     """(index of the head in ``queue``, entries between head and tail): the queue read from any offset."""
     return pool.head % pool.num_blocks, pool.tail - pool.head
 
 
-def _with_ends(pool: BlockPool, head: jax.Array, tail: jax.Array, **fields) -> BlockPool:
+def _with_ends(pool: FreeBlockQueue, head: jax.Array, tail: jax.Array, **fields) -> FreeBlockQueue:
     """``pool`` with the queue ends moved to ``head``/``tail`` (positions relative to ``_span``'s head
     index, within one lap of it), the head brought back into ``[0, num_blocks)``."""
     lap = jnp.floor_divide(head, pool.num_blocks) * pool.num_blocks
     return replace(pool, head=head - lap, tail=tail - lap, **fields)
 
 
-def init_pool(num_blocks: int) -> BlockPool:
+def init_free_queue(num_blocks: int) -> FreeBlockQueue:
     """A pool with blocks ``1..num_blocks-1`` free, in id order; block 0 held forever as the null block."""
     if num_blocks < 2:
         raise ValueError(f"a pool needs at least 2 blocks (null block included), got {num_blocks}")
     ids = jnp.arange(num_blocks, dtype=jnp.int32)
-    return BlockPool(
+    return FreeBlockQueue(
         ref_count=jnp.zeros(num_blocks, jnp.int32),
         queue=jnp.roll(ids, -1).at[-1].set(0),  # 1, 2, ..., N-1, then an empty slot
         pos=ids - 1,
@@ -98,7 +98,7 @@ def init_pool(num_blocks: int) -> BlockPool:
     )
 
 
-def compact(pool: BlockPool) -> BlockPool:
+def compact(pool: FreeBlockQueue) -> FreeBlockQueue:
     """The same queue without holes, starting at position 0 (O(num_blocks))."""
     n = pool.num_blocks
     head, span = _span(pool)
@@ -120,7 +120,7 @@ class PopPlan(NamedTuple):
     enough: jax.Array   # bool[]: the window held ``count`` blocks (else the queue needs compacting)
 
 
-def pop_plan(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOLE_SLACK) -> PopPlan:
+def pop_plan(pool: FreeBlockQueue, count: jax.Array, max_count: int, slack: int = HOLE_SLACK) -> PopPlan:
     """Read-only: the first ``count`` (<= ``max_count``, static) blocks of the queue, from a window of
     ``max_count + slack`` entries after the head (holes skipped)."""
     n = pool.num_blocks
@@ -145,13 +145,13 @@ def pop_plan(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOL
     return PopPlan(ids, take, entries, enough)
 
 
-def pop_apply(pool: BlockPool, plan: PopPlan, hold: bool = True) -> BlockPool:
+def pop_apply(pool: FreeBlockQueue, plan: PopPlan, hold: bool = True) -> FreeBlockQueue:
     """Take the blocks of ``plan`` (made on this pool) out of the queue, with ref count 1; ``hold``
     (static) False leaves their ref counts (0) to the caller, which counts them with its other
     references in one update.
 
     Only ``head`` moves: the taken entries fall before it, outside the live range ``[head, tail)``
-    that every reader masks by, and a held block's ``pos`` is read by no one (see ``BlockPool``), so
+    that every reader masks by, and a held block's ``pos`` is read by no one (see ``FreeBlockQueue``), so
     neither array is written (two scatters of the whole window saved).
     """
     lanes = jnp.arange(plan.take.shape[0])
@@ -170,7 +170,7 @@ def pop_prefix(plan: PopPlan, count: jax.Array) -> PopPlan:
                    plan.take & (running_count(plan.take) <= count), plan.entries, plan.enough)
 
 
-def pop_free(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOLE_SLACK) -> tuple[BlockPool, jax.Array]:
+def pop_free(pool: FreeBlockQueue, count: jax.Array, max_count: int, slack: int = HOLE_SLACK) -> tuple[FreeBlockQueue, jax.Array]:
     """Take ``count`` (<= ``max_count``, static) blocks from the head of the queue.
 
     ``slack`` (static): holes the head window tolerates before the queue is compacted.
@@ -181,7 +181,7 @@ def pop_free(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOL
     """
     plan = pop_plan(pool, count, max_count, slack)
 
-    def compacted(p: BlockPool):
+    def compacted(p: FreeBlockQueue):
         p = compact(p)
         return p, pop_plan(p, count, max_count, slack)
 
@@ -189,7 +189,7 @@ def pop_free(pool: BlockPool, count: jax.Array, max_count: int, slack: int = HOL
     return pop_apply(pool, plan), plan.ids
 
 
-def touch(pool: BlockPool, blocks: jax.Array) -> BlockPool:
+def touch(pool: FreeBlockQueue, blocks: jax.Array) -> FreeBlockQueue:
     """Add one reference to each non-null id in ``blocks`` (distinct ids; a hit); free ones leave the queue."""
     n = pool.num_blocks
     valid = blocks > 0
@@ -212,7 +212,7 @@ class Release(NamedTuple):
     fits: jax.Array      # bool[]: the queue array has room for them without compaction
 
 
-def plan_free(pool: BlockPool, blocks: jax.Array, cached: jax.Array, distinct: bool = False) -> Release:
+def plan_free(pool: FreeBlockQueue, blocks: jax.Array, cached: jax.Array, distinct: bool = False) -> Release:
     """Read-only: where the blocks of ``C`` free calls go, one call per row of ``blocks: i32[C, W]``
     (each row in eviction priority order, 0 = none; ``cached: bool[C, W]``: the block keeps a cache
     entry, so it goes to the back). A block may appear in several calls (requests sharing it): it is
@@ -244,7 +244,7 @@ def plan_free(pool: BlockPool, blocks: jax.Array, cached: jax.Array, distinct: b
     return Release(blocks, now_free.reshape(blocks.shape), to_front.reshape(blocks.shape), fits)
 
 
-def apply_free(pool: BlockPool, rel: Release) -> BlockPool:
+def apply_free(pool: FreeBlockQueue, rel: Release) -> FreeBlockQueue:
     """Drop one reference per entry of ``rel`` (``plan_free`` on this pool); blocks reaching 0 join the
     queue as one call each would put them: at the front when uncached (a later call's blocks in front
     of an earlier call's, each call's in its own order, its first block the new head), at the back
@@ -346,7 +346,7 @@ def pops_after_releases(rel: Release, pops: jax.Array, max_pops: int) -> Interle
     return jax.lax.cond(jnp.any(rel.to_front) & jnp.any(pops > 0), with_stack, queue_only)
 
 
-def free_calls(pool: BlockPool, blocks: jax.Array, cached: jax.Array, distinct: bool = False) -> BlockPool:
+def free_calls(pool: FreeBlockQueue, blocks: jax.Array, cached: jax.Array, distinct: bool = False) -> FreeBlockQueue:
     """``C`` free calls at once (``plan_free``, then ``apply_free``; the queue compacted first when the
     array has no room): the same queue as one call after another."""
     rel = plan_free(pool, blocks, cached, distinct)
@@ -354,7 +354,7 @@ def free_calls(pool: BlockPool, blocks: jax.Array, cached: jax.Array, distinct: 
     return apply_free(pool, rel)
 
 
-def free_ordered(pool: BlockPool, blocks: jax.Array, cached: jax.Array) -> BlockPool:
+def free_ordered(pool: FreeBlockQueue, blocks: jax.Array, cached: jax.Array) -> FreeBlockQueue:
     """One free call: drop one reference from each non-null id in ``blocks`` (each at most once),
     given in eviction priority order.
 
@@ -365,7 +365,7 @@ def free_ordered(pool: BlockPool, blocks: jax.Array, cached: jax.Array) -> Block
     return free_calls(pool, blocks[None], cached[None], distinct=True)
 
 
-def queue_order(pool: BlockPool) -> list[int]:
+def queue_order(pool: FreeBlockQueue) -> list[int]:
     """The free blocks in queue order (host-side helper for tests and debugging)."""
     import numpy as np
 

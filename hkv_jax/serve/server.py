@@ -16,8 +16,8 @@ server (nothing more to install).
   answer. That is how evaluation harnesses score a continuation (lm-eval's ``local-completions``).
   The answer has ``choices`` (``index``, ``text``, ``finish_reason``, ``logprobs``) and ``usage``. A
   client that goes away before its answer is complete is aborted.
-- ``POST /v1/chat/completions``: the same with ``messages`` (in Gemma's turn format, ``gemma_chat``)
-  instead of ``prompt``, ``max_completion_tokens`` or ``max_tokens`` (default: up to the engine's
+- ``POST /v1/chat/completions``: the same with ``messages`` (rendered with the model's own chat template,
+  ``protocol.ChatTemplate``; Gemma's turn format for models without one) instead of ``prompt``, ``max_completion_tokens`` or ``max_tokens`` (default: up to the engine's
   ``max_model_len``), and ``logprobs: true`` with ``top_logprobs``; each answer choice's ``message``
   (a stream's ``delta``) holds the text.
 - ``POST /tokenize`` (``prompt``, or chat ``messages``; ``add_special_tokens``, default true: the BOS) and
@@ -30,7 +30,8 @@ With an API key (``CompletionServer(..., api_key=)``, ``hkv serve --api-key`` or
 ``/v1/`` path wants ``Authorization: Bearer <key>`` (status 401 otherwise, as OpenAI's); ``/health`` and
 ``/metrics`` stay open, as vLLM's. There is no TLS: put a proxy in front to serve beyond the host.
 
-One thread owns the engine. Between steps it takes the requests the HTTP threads queued (and the aborts
+This module is the HTTP layer and the engine thread; ``protocol.py`` parses bodies into ``SamplingParams``
+and builds OpenAI's answer objects. Only the engine's public API is used. One thread owns the engine. Between steps it takes the requests the HTTP threads queued (and the aborts
 of clients that went away); it steps while there is work and hands each request's new text to the
 thread serving it. ``echo``'s prompt log-probabilities are computed in the client's own thread (they read
 only the parameters), so a long prompt does not hold up the steps. Bad input gets status 400 and OpenAI's
@@ -50,19 +51,11 @@ from collections import Counter
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from hkv_jax.engine import Engine, Stats
-from hkv_jax.models.tokenizer import gemma_chat
+from hkv_jax.engine import Engine
+from hkv_jax.serve.protocol import Answer, BadRequest, ChatTemplate, CompletionRequest, Limits, parse, usage
 
-# Request fields given to ``Engine.add_request`` as they are (absent: the engine's value).
-_SAMPLING = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
 # How often a request that does not stream checks that its client still waits (seconds).
 _CHECK_SECONDS = 0.5
-# OpenAI fields with one value only here.
-_FIXED = {"suffix": None}
-
-
-class BadRequest(ValueError):
-    """A request the server refuses (status 400)."""
 
 
 @dataclass
@@ -87,6 +80,9 @@ class CompletionServer:
         self.engine, self.codec, self.model_name, self.api_key = engine, codec, model_name, api_key
         if engine.detokenize is None:
             engine.detokenize = codec.decode
+        self.chat_template = ChatTemplate(codec)
+        c = engine.config
+        self.limits = Limits(c.max_requests, c.max_model_len, c.max_top_logprobs)
         self._inbox: queue.Queue = queue.Queue()
         self._served: dict[int, _Served] = {}
         # Counted by the engine thread for /metrics: tokens of the prompts taken and of the text sent,
@@ -104,7 +100,7 @@ class CompletionServer:
         self._http.daemon_threads = True
         if warm:
             warm_up(self.engine)
-            self.engine.stats = Stats()  # the metrics count what clients asked for, not the warm-up
+            self.engine.reset_stats()  # the metrics count what clients asked for, not the warm-up
         self._threads = [threading.Thread(target=self._run_engine, name="hkv-engine", daemon=True),
                          threading.Thread(target=self._http.serve_forever, name="hkv-http", daemon=True)]
         for t in self._threads:
@@ -122,84 +118,20 @@ class CompletionServer:
 
     # --- HTTP threads ----------------------------------------------------------------------
 
-    def submit(self, body, chat: bool = False) -> tuple[queue.Queue, int | None]:
+    def submit(self, body, chat: bool = False) -> tuple[queue.Queue, CompletionRequest]:
         """Queue the completion request ``body`` (parsed JSON; ``chat``: a chat completion). Returns the
-        queue its updates arrive on and how many likeliest tokens it lists (None: no log-probabilities).
-        The first update is ``{"error": message}`` or ``{"id": the answer's number, "ids": [engine request
-        id per choice] (none for echo alone), "choices": count, "prompt_tokens": count, "echo": None or
-        (text, log-probability entries) per choice}``; then come each choice's pieces of text with its
-        ``index``. ``ValueError`` (``BadRequest``) for malformed fields."""
-        if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
-        body = {k: v for k, v in body.items() if v is not None}  # null: absent
-        for name, value in _FIXED.items():
-            if body.get(name, value) != value:
-                raise BadRequest(f"{name} must be {json.dumps(value)} here")
-        n, most = body.get("n", 1), self.engine.layout.max_requests
-        if type(n) is not int or not 1 <= n <= most:  # every choice runs at once
-            raise BadRequest(f"n must be an integer in [1, {most}] (the requests served at once), got {n!r}")
-        if body.get("best_of", n) != n:
-            raise BadRequest("best_of must equal n here")
-        echo = body.get("echo", False)
-        if type(echo) is not bool or (echo and chat):
-            raise BadRequest("echo must be true or false, and false for chat completions")
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict) or type(options.get("include_usage", False)) is not bool:
-            raise BadRequest('stream_options must be an object like {"include_usage": true}')
-        if chat:
-            prompts, texts = [self.codec.encode(gemma_chat(body.get("messages")))], [None]
-        else:
-            prompts, texts = self._prompts(body.get("prompt"))
-        if chat:  # by default, up to the longest request, as vLLM's chat completions
-            longest = max(self.engine.layout.max_model_len - len(prompts[0]), 1)
-            max_tokens = body.get("max_completion_tokens", body.get("max_tokens", longest))
-        else:
-            max_tokens = body.get("max_tokens", 16)
-        if type(max_tokens) is not int or max_tokens < (0 if echo else 1):  # echo alone scores the prompt
-            raise BadRequest(f"max_tokens must be a positive integer (or 0 with echo), got {max_tokens!r}")
-        stop = body.get("stop") or ()
-        stop = (stop,) if isinstance(stop, str) else stop
-        if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
-            raise BadRequest("stop must be a string or a list of strings")
-        if chat:  # logprobs: true, and top_logprobs likeliest tokens (0 by default)
-            if type(body.get("logprobs", False)) is not bool:
-                raise BadRequest("logprobs must be true or false")
-            top, name = body.get("top_logprobs", 0) if body.get("logprobs") else None, "top_logprobs"
-        else:
-            top, name = body.get("logprobs"), "logprobs"
-        if top is not None and (type(top) is not int or not 0 <= top <= self.engine.max_top_logprobs):
-            raise BadRequest(f"{name} must be an integer in [0, {self.engine.max_top_logprobs}], got {top!r}")
-        bias = body.get("logit_bias") or {}
-        try:  # JSON object keys are strings
-            bias = {int(t): v for t, v in bias.items()}
-        except (AttributeError, ValueError):
-            raise BadRequest("logit_bias must be an object of token ids to values") from None
-        request = {"max_new_tokens": max_tokens, "stop": tuple(self.codec.eos_ids),
-                   "logit_bias": bias, "min_tokens": body.get("min_tokens", 0),
-                   "stop_strings": tuple(stop), "temperature": body.get("temperature", 1.0),
-                   "logprobs": top is not None, "top_logprobs": top or 0,
-                   **{name: body[name] for name in _SAMPLING if name in body}}
+        queue its updates arrive on and the parsed request. The first update is ``{"error": message}`` or
+        ``{"id": the answer's number, "ids": [engine request id per choice] (none for echo alone),
+        "choices": count, "prompt_tokens": count, "echo": None or (text, log-probability entries) per
+        choice}``; then come each choice's pieces of text with its ``index``. ``ValueError``
+        (``BadRequest``) for malformed fields."""
+        request = parse(body, chat, self.codec, self.chat_template, self.limits)
         replies: queue.Queue = queue.Queue()
         # Scored here, in the client's thread: a long prompt's forward does not hold up the engine's steps.
-        echoed = [self._echo(p, text, top) for p, text in zip(prompts, texts)] if echo else None
-        self._inbox.put(("add", request, prompts, n, replies, top, echoed))
-        return replies, top
-
-    def _prompts(self, prompt) -> tuple[list[list[int]], list[str | None]]:
-        """A completion request's prompts as token ids, and each one's text (None: given as ids): OpenAI's
-        ``prompt`` is a string, a list of token ids, or a list of either (a batch)."""
-        def one(p):
-            if isinstance(p, str) and p:
-                return self.codec.encode(p)
-            if isinstance(p, list) and p and all(type(t) is int for t in p):
-                return p
-            return None
-
-        batch = prompt if isinstance(prompt, list) and prompt and type(prompt[0]) is not int else [prompt]
-        prompts = [one(p) for p in batch]
-        if None in prompts:
-            raise BadRequest("prompt must be a non-empty string, a list of token ids, or a list of either")
-        return prompts, [p if isinstance(p, str) else None for p in batch]
+        echoed = ([self._echo(p, text, request.top) for p, text in zip(request.prompts, request.texts)]
+                  if request.echo else None)
+        self._inbox.put(("add", request, replies, echoed))
+        return replies, request
 
     def _echo(self, prompt: list[int], text: str | None, top: int | None) -> tuple[str, list]:
         """What ``echo`` puts before each choice's answer: the prompt's ``text`` (None: its tokens' text)
@@ -226,12 +158,14 @@ class CompletionServer:
         ``add_special_tokens`` (default true) puts the BOS first. ``BadRequest`` for a malformed body."""
         if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
             raise BadRequest("tokenize wants an object with a prompt or messages")
-        text = gemma_chat(body["messages"]) if "messages" in body else body["prompt"]
         special = body.get("add_special_tokens", True)
-        if not isinstance(text, str) or type(special) is not bool:
+        if type(special) is not bool or not isinstance(body.get("prompt", ""), str):
             raise BadRequest("prompt must be a string, add_special_tokens true or false")
-        tokens = self.codec.encode(text, bos=special)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.layout.max_model_len}
+        if "messages" in body:
+            tokens = self.chat_template.encode(body["messages"], bos=special)
+        else:
+            tokens = self.codec.encode(body["prompt"], bos=special)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.limits.max_model_len}
 
     def detokenize(self, body) -> dict:
         """``POST /detokenize``: the text of ``tokens`` (ids in the vocabulary). ``BadRequest`` otherwise."""
@@ -289,26 +223,24 @@ class CompletionServer:
             self._drop(running)
             self._counts["finished"]["abort"] += len(running)
             return
-        _, request, prompts, n, replies, top, echoed = item  # echoed: each prompt's echo, or None
-        new, seed = request.pop("max_new_tokens"), request.pop("seed", None)
+        _, request, replies, echoed = item  # echoed: each prompt's echo, or None
         rids = []
         try:
-            for prompt in prompts:
-                for i in range(n if new else 0):  # echo with max_tokens 0: the prompts only
-                    rids.append(self.engine.add_request(prompt, new, **request,
-                                                        seed=None if seed is None else (seed + i) % 2**31))
+            for prompt in request.prompts:
+                for i in range(request.n if request.params else 0):  # echo with max_tokens 0: the prompts only
+                    rids.append(self.engine.add_request(prompt, request.choice_params(i)))
         except Exception as e:  # noqa: BLE001 - a request the engine refuses (bad values): its client hears why
             self._drop(rids)
             replies.put({"error": str(e)})
             return
         for i, rid in enumerate(rids):
-            self._served[rid] = _Served(replies, top, i)
-        tokens = sum(map(len, prompts))
+            self._served[rid] = _Served(replies, request.top, i)
+        n, tokens = request.n, sum(map(len, request.prompts))
         self._counts["prompt"] += n * tokens
-        if not new:
-            self._counts["finished"]["length"] += n * len(prompts)
+        if not request.params:
+            self._counts["finished"]["length"] += n * len(request.prompts)
         self._answers += 1
-        replies.put({"id": self._answers, "ids": rids, "choices": n * len(prompts), "prompt_tokens": tokens,
+        replies.put({"id": self._answers, "ids": rids, "choices": n * len(request.prompts), "prompt_tokens": tokens,
                      "echo": None if echoed is None else [e for e in echoed for _ in range(n)]})
 
     def _drop(self, rids: list[int]) -> None:
@@ -334,13 +266,11 @@ class CompletionServer:
         served.replies.put(update)
 
     def _metrics(self) -> str:
-        engine, stats, counts = self.engine, self.engine.stats, self._counts
-        blocks = engine.config.num_blocks - 1  # the null block holds nothing
-        free = int(engine.state.alloc.bp.pool.num_free)  # cached blocks no request holds count as free
-        rows = [("requests_running", "gauge", "Requests holding a slot.", len(engine.running)),
-                ("requests_waiting", "gauge", "Requests waiting for a slot.", len(engine.waiting)),
-                ("kv_blocks", "gauge", "Blocks of the KV pool (the null block left out).", blocks),
-                ("kv_blocks_free", "gauge", "Blocks no request holds (prefix-cached ones included).", free),
+        stats, counts, kv = self.engine.stats, self._counts, self.engine.kv_usage()
+        rows = [("requests_running", "gauge", "Requests holding a slot.", kv.running),
+                ("requests_waiting", "gauge", "Requests waiting for a slot.", kv.waiting),
+                ("kv_blocks", "gauge", "Blocks of the KV pool (the null block left out).", kv.num_blocks),
+                ("kv_blocks_free", "gauge", "Blocks no request holds (prefix-cached ones included).", kv.free_blocks),
                 ("prompt_tokens_total", "counter", "Prompt tokens of the choices taken.", counts["prompt"]),
                 ("generation_tokens_total", "counter", "Tokens generated by finished choices.", counts["generation"]),
                 ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.",
@@ -366,59 +296,6 @@ class CompletionServer:
         new = range(served.sent, len(r.generated))
         served.sent = len(r.generated)
         return [self._entry(r.generated[i], r.logprobs[i], r.top_logprobs[i] if served.top else []) for i in new]
-
-
-class _Answer:
-    """OpenAI's answer objects for one request of ``n`` choices: a completion, or a chat completion
-    (``chat``)."""
-
-    def __init__(self, chat: bool, rid: int, model: str, top: int | None, n: int):
-        self.chat, self.top, self.offsets = chat, top, [0] * n  # each choice's text offset, for its logprobs
-        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "created": int(time.time()), "model": model}
-
-    def logprobs(self, entries: list | None, index: int):
-        """The ``logprobs`` object of choice ``index``'s ``entries`` (``CompletionServer._logprobs``), in this
-        kind's format."""
-        if self.top is None or entries is None:
-            return None
-        if self.chat:
-            def item(t, v):
-                return {"token": t, "logprob": v, "bytes": list(t.encode())}
-
-            return {"content": [{**item(t, v), "top_logprobs": [item(*x) for x in top]} for t, v, top in entries]}
-        offsets = []
-        for t, _, _ in entries:
-            offsets.append(self.offsets[index])
-            self.offsets[index] += len(t)
-        # Tokens with the same text (bytes of an incomplete character) share a key: the likeliest keeps it.
-        return {"tokens": [t for t, _, _ in entries], "token_logprobs": [v for _, v, _ in entries],
-                "top_logprobs": [None if top is None else dict(reversed(top)) for _, _, top in entries]
-                if self.top else None,
-                "text_offset": offsets}
-
-    def whole(self, choices: list[tuple[str, list, str]], usage: dict) -> dict:
-        """The answer to a request that does not stream: ``(text, entries, finish reason)`` per choice."""
-        def choice(i, text, entries, finish):
-            body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            return {"index": i, **body, "logprobs": self.logprobs(entries, i), "finish_reason": finish}
-
-        return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
-                "choices": [choice(i, *c) for i, c in enumerate(choices)], "usage": usage}
-
-    def chunk(self, index: int, text: str, entries: list | None, finish: str | None, first: bool = False) -> dict:
-        """One event of a stream, for choice ``index`` (a chat stream's first event per choice names the role)."""
-        if self.chat:
-            body = {"delta": ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})}
-        else:
-            body = {"text": text}
-        return {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "choices": [{"index": index, **body, "logprobs": self.logprobs(entries, index),
-                             "finish_reason": finish}]}
-
-    def usage_chunk(self, usage: dict) -> dict:
-        """A stream's last event when the client asked for the usage (``stream_options``)."""
-        return {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "choices": [], "usage": usage}
 
 
 def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
@@ -467,7 +344,7 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
             elif self.path == "/v1/models":
                 self._json(200, {"object": "list", "data": [{
                     "id": server.model_name, "object": "model", "owned_by": "hkv-jax",
-                    "max_model_len": server.engine.layout.max_model_len}]})
+                    "max_model_len": server.limits.max_model_len}]})
             else:
                 self._error(404, f"no such path: {self.path}")
 
@@ -484,7 +361,7 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
                 if tool is not None:
                     self._json(200, tool(body))
                     return
-                replies, top = server.submit(body, chat)
+                replies, request = server.submit(body, chat)
             except ValueError as e:  # malformed JSON or fields
                 self._error(400, str(e))
                 return
@@ -492,14 +369,13 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
             if "error" in first:
                 self._error(400, first["error"])
                 return
-            answer = _Answer(chat, first["id"], server.model_name, top, first["choices"])
-            if body.get("stream"):
-                usage = (body.get("stream_options") or {}).get("include_usage", False)
-                self._stream(first, answer, replies, usage)
+            answer = Answer(chat, first["id"], server.model_name, request.top, first["choices"])
+            if request.stream:
+                self._stream(first, answer, replies, request.include_usage)
             else:
                 self._whole(first, answer, replies)
 
-        def _whole(self, first: dict, answer: _Answer, replies: queue.Queue) -> None:
+        def _whole(self, first: dict, answer: Answer, replies: queue.Queue) -> None:
             n, echo = first["choices"], first["echo"] or [("", [])] * first["choices"]
             texts, entries = [[text] for text, _ in echo], [list(e) for _, e in echo]
             finish = [None] * n if first["ids"] else ["length"] * n  # no ids: echo alone
@@ -528,9 +404,9 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
                     finish[i] = u["finish_reason"]
                     generated += u["completion_tokens"]
             choices = [("".join(t), e, f) for t, e, f in zip(texts, entries, finish)]
-            self._json(200, answer.whole(choices, _usage(first["prompt_tokens"], generated)))
+            self._json(200, answer.whole(choices, usage(first["prompt_tokens"], generated)))
 
-        def _stream(self, first: dict, answer: _Answer, replies: queue.Queue, usage: bool) -> None:
+        def _stream(self, first: dict, answer: Answer, replies: queue.Queue, include_usage: bool) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
@@ -555,8 +431,8 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
                     if done:
                         left -= 1
                         generated += u["completion_tokens"]
-                if usage and not left:
-                    self._event(answer.usage_chunk(_usage(first["prompt_tokens"], generated)))
+                if include_usage and not left:
+                    self._event(answer.usage_chunk(usage(first["prompt_tokens"], generated)))
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
@@ -578,19 +454,15 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def _usage(prompt_tokens: int, generated: int) -> dict:
-    """OpenAI's ``usage`` object (each prompt counted once, however many choices)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": prompt_tokens + generated}
-
-
 def warm_up(engine: Engine) -> None:
     """Compile the programs a server needs before the first client waits for them: one request long enough
     for the largest token bucket, then decode steps (the smallest bucket, its lean step, and, when the
     engine's ``max_call_seconds`` fits several decode steps, its program of several), the admissions of
     every prompt-buffer size (``Engine.compile_admissions``) and the scoring of every prompt size that
     ``echo`` may send (``Engine.compile_scoring``)."""
-    new = min(8, engine.layout.max_model_len - 1)  # the last steps run several a call if they are fast enough
-    prompt = [0] * min(engine.token_budget, engine.layout.max_model_len - new)
+    c = engine.config
+    new = min(8, c.max_model_len - 1)  # the last steps run several a call if they are fast enough
+    prompt = [0] * min(c.token_budget, c.max_model_len - new)
     rid = engine.add_request(prompt, new)
     engine.run()
     engine.forget(rid)

@@ -1,0 +1,75 @@
+"""``EngineConfig``: an engine's sizes and choices, checked when built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hkv_jax.engine.sampling_params import is_integer, is_number
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an ``Engine`` serves with. ``ValueError`` for sizes that cannot serve, before anything compiles.
+
+    ``num_blocks`` blocks of ``block_size`` tokens in the KV pool (the null block included), grouped by
+    ``policy`` (``hkv_jax.planner``: ``"vllm"`` or ``"min-waste"``); ``max_requests`` request slots;
+    ``max_model_len`` tokens per request at most; ``token_budget`` tokens computed per step at most.
+
+    ``token_buckets``: the step is compiled once per size (default: ``min(max_requests, token_budget)``
+    and ``token_budget``) and each step runs the smallest that holds its tokens, so a decode-only step
+    does not pay for prefill-sized arrays. ``impl``: the attention kernel (``kernels_pallas.choose``).
+    ``seed``: the sampling key. ``prefix_caching=False``: nothing ever hits. ``window_aware_eviction``:
+    blocks leaving a sliding window go to the front of the free queue. ``vectorised=False`` runs the
+    allocator request by request (the exact statement, for tests and comparisons).
+
+    ``decode_steps``: while every running request decodes and no waiting one can start, one call of
+    ``Engine.step`` runs up to this many decode steps in one program (one dispatch and one report read for
+    all of them; it stops early at a finished or refused request); the tokens and states equal those of
+    single steps. ``max_call_seconds`` (with ``decode_steps > 1``): about the longest such a call should
+    take, since a request that arrives meanwhile waits for it: a call runs as many steps as fit at the
+    last timed call's rate (one until a call has been timed; calls that compiled are not timed). ``None``:
+    always up to ``decode_steps``.
+
+    ``max_top_logprobs``: the most likeliest tokens a request may ask to see per generated token (0 leaves
+    them out of the step). ``max_logit_bias``: the most logit-bias entries a request may carry (its
+    ``logit_bias``, plus one per stop token under ``min_tokens``; 0 leaves them out of the plan).
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    max_requests: int = 8
+    max_model_len: int = 256
+    token_budget: int = 64
+    policy: str = "vllm"
+    impl: str = "auto"
+    seed: int = 0
+    prefix_caching: bool = True
+    window_aware_eviction: bool = False
+    vectorised: bool = True
+    token_buckets: tuple[int, ...] | None = None
+    decode_steps: int = 1
+    max_call_seconds: float | None = None
+    max_top_logprobs: int = 0
+    max_logit_bias: int = 0
+
+    def __post_init__(self):
+        for name in ("token_budget", "max_requests", "max_model_len", "block_size", "decode_steps"):
+            value = getattr(self, name)
+            if not is_integer(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        s = self.max_call_seconds
+        if s is not None and not (is_number(s) and 0 < s < math.inf):
+            raise ValueError(f"max_call_seconds must be a positive number of seconds or None, got {s!r}")
+        for name in ("max_top_logprobs", "max_logit_bias"):
+            if not is_integer(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an integer in [0, vocab_size], got {getattr(self, name)!r}")
+        buckets = self.buckets
+        if buckets[0] < 1 or buckets[-1] != self.token_budget:
+            raise ValueError(f"token_buckets must be positive and end at token_budget {self.token_budget}, "
+                             f"got {buckets}")
+
+    @property
+    def buckets(self) -> list[int]:
+        """The token buckets, ascending."""
+        return sorted(set(self.token_buckets or (min(self.max_requests, self.token_budget), self.token_budget)))

@@ -1,0 +1,133 @@
+"""A request as the host sees it, its status, and the one rule that decides when it stops.
+
+``check_stop`` is the only host-side stop rule; the device's multi-step decode loop leaves early with
+``may_stop``, its array form (``tests/test_engine_parts.py`` checks that they agree).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+
+import jax.numpy as jnp
+
+from hkv_jax.engine.sampling_params import KNOBS, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"      # queued, or preempted and queued again
+    RUNNING = "running"      # holds a slot and computes tokens
+    FINISHED = "finished"    # see ``Request.finish_reason``
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended, in vLLM's (and OpenAI's) words."""
+
+    STOP = "stop"      # a stop token or a stop string
+    LENGTH = "length"  # ``max_new_tokens`` generated
+    ABORT = "abort"    # ``Engine.abort``
+
+
+def check_stop(params: SamplingParams, num_generated: int, last_token: int | None,
+               stop_string: str | None = None) -> FinishReason | None:
+    """Whether a request with ``params`` stops after its ``num_generated``-th token ``last_token``
+    (``stop_string``: the stop string its text now holds, found by the output processor)."""
+    if stop_string is not None or (last_token is not None and last_token in params.stop):
+        return FinishReason.STOP
+    return FinishReason.LENGTH if num_generated >= params.max_new_tokens else None
+
+
+def may_stop(tokens_left, tokens, stop_ids):
+    """``check_stop`` for a batch, as the device loop applies it (no stop strings: a batch with stop strings
+    never runs several steps a call). ``tokens_left``: tokens each lane may still generate after
+    ``tokens``; ``stop_ids``: every stop token of the batch (-1 padded). A lane whose request stops is
+    always flagged; one whose token stops another request of the batch may be too (the host's
+    ``check_stop`` then decides), which only ends a multi-step call early."""
+    return (tokens_left <= 0) | jnp.isin(tokens, stop_ids)
+
+
+@dataclass
+class Request:
+    """A request as the host sees it. Read it through ``Engine.requests`` after a step: steps where every
+    running request decodes book their tokens into ``generated`` and ``computed`` only when
+    ``Engine.requests`` is read (or the request finishes, or 256 calls passed), so an object kept from
+    before a step can lag."""
+
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    bias: tuple[tuple[int, float], ...] = ()  # ``params.bias_entries``: (token, bias) added to its logits
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    slot: int = -1
+    admitted: bool = False      # its tokens live in the allocator
+    computed: int = 0           # tokens with KV in the cache
+    generated: list[int] = field(default_factory=list)
+    cache_hit: int = 0          # prefix-cache tokens of its first (or post-preemption) schedule
+    preemptions: int = 0
+    salt: int = 0               # cache salt: requests hit only blocks cached under the same salt
+    max_chunk: int = 1 << 30    # lowered when even alone it could not get blocks for a chunk
+    stop_string: str | None = None  # the one of ``params.stop_strings`` that ended it
+    logprobs: list[float] | None = None  # each generated token's log-probability (``params.logprobs``)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token: (token, log-probability)
+    # ``time.time()`` when it was queued, when its first token was booked, when it finished or was aborted.
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self):
+        if self.logprobs is None and self.params.logprobs:
+            self.logprobs = []
+        if self.top_logprobs is None and self.params.top_logprobs:
+            self.top_logprobs = []
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def total(self) -> int:
+        """Known tokens: prompt + generated."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
+    def done(self) -> bool:
+        """Whether it finished (``finish_reason`` says why)."""
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason is FinishReason.ABORT
+
+    def finish(self, reason: FinishReason, now: float) -> None:
+        """Mark it finished: it leaves its slot (the scheduler frees the slot's blocks)."""
+        self.status, self.finish_reason, self.slot, self.finished_time = RequestStatus.FINISHED, reason, -1, now
+
+    # Its params by their names (``r.max_new_tokens``, ``r.stop``, ``r.temperature`` ...), read-only.
+    max_new_tokens = property(lambda self: self.params.max_new_tokens)
+    stop = property(lambda self: self.params.stop)
+    stop_strings = property(lambda self: self.params.stop_strings)
+    min_tokens = property(lambda self: self.params.min_tokens)
+    num_top_logprobs = property(lambda self: self.params.top_logprobs)
+    logit_bias = property(lambda self: self.bias)
+
+    def to_dict(self) -> dict:
+        """Its fields as JSON-able values (``from_dict`` reads them back)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**d, "params": self.params.to_dict(), "status": self.status.value,
+                "finish_reason": None if self.finish_reason is None else self.finish_reason.value}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Request":
+        d = dict(d)
+        d["params"] = SamplingParams.from_dict(d["params"])
+        d["status"] = RequestStatus(d["status"])
+        d["finish_reason"] = None if d["finish_reason"] is None else FinishReason(d["finish_reason"])
+        d["bias"] = tuple(tuple(e) for e in d["bias"])
+        if d["top_logprobs"] is not None:
+            d["top_logprobs"] = [[tuple(e) for e in row] for row in d["top_logprobs"]]
+        return Request(**d)
+
+
+for _knob in KNOBS:
+    setattr(Request, _knob.name, property(lambda self, name=_knob.name: getattr(self.params, name)))

@@ -1,0 +1,82 @@
+"""Sampling inside the step program: temperature, top-p, top-k and min-p cuts, per-request seeds, vLLM's
+penalties, logit biases and ``min_tokens``. Every function takes one row per request, each with its own
+values (``[B]`` arrays, or one value for all)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def _per_row(x, dtype, rows: int) -> jax.Array:
+    """``x`` (one value, or one per row) as ``[rows, 1]`` of ``dtype``."""
+    return jnp.broadcast_to(jnp.asarray(x, dtype), (rows,))[:, None]
+
+
+def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=-1,
+           position=0) -> jax.Array:
+    """One token per row of ``logits: [B, V]``, each row with its own sampling (``[B]`` or one value for
+    all). Greedy where ``temperature`` is 0 (an argmax; no sort when every row is greedy). Else, as vLLM
+    does: the logits divided by the temperature; tokens below ``min_p`` times the likeliest token's
+    probability and past the ``top_k`` likeliest (0: no limit) cut; then the smallest prefix of the rest
+    whose renormalised probability reaches ``top_p`` kept. A row with ``seed >= 0`` draws with the key
+    of its seed and ``position`` (the index of the token it samples), so its draw does not depend on
+    the other rows or on ``key`` (a ``jax.random.PRNGKey``), whose draws differ per row."""
+    B, V = logits.shape
+    column = functools.partial(_per_row, rows=B)
+    temperature = column(temperature, jnp.float32)
+    hot = temperature[:, 0] > 0
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw():
+        scaled = logits / jnp.maximum(temperature, 1e-6)
+        order = jnp.argsort(-scaled, axis=-1)
+        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        k = column(top_k, jnp.int32)
+        # min-p and top-k each keep a prefix of the sorted tokens; the first always stays.
+        rank = jnp.arange(V)
+        keep = ((probs >= column(min_p, jnp.float32) * probs[:, :1]) & ((rank < k) | (k <= 0))) | (rank == 0)
+        probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+        keep &= jnp.cumsum(probs, axis=-1) - probs <= column(top_p, jnp.float32)
+        seeds, positions = column(seed, jnp.int32)[:, 0], column(position, jnp.int32)[:, 0]
+        own = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds, positions)
+        keys = jnp.where((seeds >= 0)[:, None], own, jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(B)))
+        choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_logits, -jnp.inf))
+        drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return jnp.where(hot, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(hot), draw, lambda: greedy)
+
+
+def bias_logits(logits: jax.Array, ids: jax.Array, values: jax.Array, generated: jax.Array,
+                min_tokens: jax.Array) -> jax.Array:
+    """``logits: [B, V]`` with row ``b``'s bias entries added (``ids, values: [B, M]``; id -1: none). An
+    entry of value -inf masks a stop token while the row has generated fewer than ``min_tokens[b]``
+    tokens (``generated[b]`` so far), as vLLM's ``min_tokens``; after that it applies no more."""
+    active = (ids >= 0) & ((values > -jnp.inf) | (generated < min_tokens)[:, None])
+    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], ids.shape)
+    return logits.at[rows, jnp.maximum(ids, 0)].add(jnp.where(active, values, 0.0).astype(logits.dtype))
+
+
+def penalize(logits: jax.Array, tokens: jax.Array, length: jax.Array, prompt_len: jax.Array,
+             repetition_penalty, presence_penalty, frequency_penalty) -> jax.Array:
+    """vLLM's penalties on ``logits: [B, V]``, row ``b`` having seen ``tokens[b, :length[b]]`` (``i32[B, L]``),
+    the first ``prompt_len[b]`` of them its prompt. A token seen anywhere has its logit divided by
+    ``repetition_penalty`` where positive, else multiplied (1: none); each generated token then loses
+    ``frequency_penalty`` per occurrence and ``presence_penalty`` once. Values ``[B]`` or one for all."""
+    B, V = logits.shape
+    pos = jnp.arange(tokens.shape[1])[None, :]
+    seen = pos < length[:, None]
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], tokens.shape)
+    counts = jnp.zeros((B, V), jnp.int32).at[rows, tokens].add((seen & (pos >= prompt_len[:, None])).astype(jnp.int32))
+    anywhere = jnp.zeros((B, V), bool).at[rows, tokens].max(seen)
+    column = functools.partial(_per_row, dtype=jnp.float32, rows=B)
+    r = column(repetition_penalty)
+    logits = jnp.where(anywhere, jnp.where(logits > 0, logits / r, logits * r), logits)
+    return logits - column(frequency_penalty) * counts - column(presence_penalty) * (counts > 0)
+
+
+# --- prepare: releases and admissions -------------------------------------------------------------

@@ -1,0 +1,338 @@
+"""Which requests run in the next step and how many tokens each computes (host only).
+
+A continuous-batching policy, vLLM's: running requests first (one token when decoding, a chunk of at
+most the remaining token budget when still prefilling), then waiting ones while the budget and request
+slots last. The plan lists the decoding requests first, then the running ones with a chunk, then the
+waiting ones (the order the vectorised step batches them in). When the allocator refuses a request,
+the latest admitted running one is preempted in the next step and waits at the front of the queue; its
+prefix may come back from the cache (``handle_refusals``).
+
+Models with Mamba layers: a chunk that starts inside a block stops at the next block boundary, so a
+Mamba state block, once full, holds the state after exactly its last token (vLLM's 'align' mode).
+
+Everything here is plain Python and numpy: ``Scheduler`` is built and tested without a model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from hkv_jax.engine.decode_batch import DecodeBatch
+from hkv_jax.engine.request import FinishReason, Request, RequestStatus
+from hkv_jax.engine.step import Changes
+
+# New prompts travel in a flat buffer of a power-of-two size, at least this many tokens: few shapes of
+# the (small) prepare program.
+MIN_PROMPT_BUFFER = 64
+
+
+def prompt_buffer(tokens: int) -> int:
+    """The size of the prompt buffer that carries ``tokens`` prompt tokens to the device."""
+    return max(MIN_PROMPT_BUFFER, 1 << (tokens - 1).bit_length())
+
+
+def prompt_buffers(tokens: int) -> list[int]:
+    """Every prompt-buffer size up to the one that carries ``tokens`` tokens."""
+    return [MIN_PROMPT_BUFFER << i for i in range((prompt_buffer(tokens) // MIN_PROMPT_BUFFER).bit_length())]
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan: the requests it runs, in plan order, and what changes before it runs.
+
+    ``request_ids`` and ``requests``: the planned requests (decoding first, then running ones with a
+    chunk, then waiting ones); ``slots: i32[R]`` their slots and ``num_tokens: i32[R]`` the tokens each
+    computes (-1 and 0 past them); ``num_decoding`` of them decode one token and ``num_running`` were
+    running; ``admitted``: ids of the waiting ones admitted now; ``changes``: the releases and the
+    admitted prompts (``None``: nothing to change); ``decode_batch``: the decode-only record this plan
+    came from (every running request decodes), or ``None``; ``multi_step``: whether several decode
+    steps may run in one call (a decode-only plan that no waiting request could join)."""
+
+    request_ids: list[int]
+    requests: list[Request]
+    slots: np.ndarray
+    num_tokens: np.ndarray
+    num_decoding: int
+    num_running: int
+    admitted: list[int]
+    changes: Changes | None
+    decode_batch: DecodeBatch | None = None
+    multi_step: bool = False
+
+
+class Scheduler:
+    """The requests, the waiting and running queues, request slots and the token budget.
+
+    ``max_requests`` slots, ``token_budget`` tokens a step, ``block_size`` tokens a block; ``align``:
+    chunks stop at block boundaries (Mamba); ``prefix_caching=False`` gives every admission a cache salt
+    of its own, so nothing ever hits; ``vectorised``: keep the decode-only record (the per-request
+    allocator runs the per-request pass every step)."""
+
+    def __init__(self, *, max_requests: int, token_budget: int, block_size: int, align: bool = False,
+                 prefix_caching: bool = True, vectorised: bool = True):
+        self.max_requests, self.token_budget, self.block_size = max_requests, token_budget, block_size
+        self.align, self.prefix_caching, self.vectorised = align, prefix_caching, vectorised
+        self._requests: dict[int, Request] = {}
+        self.waiting: list[int] = []   # request ids, front first
+        self.running: list[int] = []   # admission order
+        self.to_free: list[int] = []   # slots freed in the next step
+        self.to_preempt: list[int] = []
+        self.next_id = 0
+        self.admissions = 0
+        self.hold_admissions = False   # a running request was refused: admit none next step
+        # The decode-only record, valid while ``running`` is as it was built for (``_running_changed``).
+        self._version = 0
+        self._batch: DecodeBatch | None = None
+
+    # --- the requests --------------------------------------------------------------------
+
+    @property
+    def requests(self) -> dict[int, Request]:
+        """Every request by id, with its ``generated`` tokens and ``computed`` count up to date."""
+        if self._batch is not None:
+            self._batch.flush()
+        return self._requests
+
+    def add(self, prompt: list[int], params, bias: tuple = ()) -> int:
+        """Queue a request (checked by the engine); returns its id."""
+        rid = self.next_id
+        self.next_id += 1
+        self._requests[rid] = Request(rid, prompt, params, bias=bias, arrival_time=time.time())
+        self.waiting.append(rid)
+        return rid
+
+    def add_running(self, r: Request) -> None:
+        """Put ``r``, which holds slot ``r.slot`` in the allocator already (a fork), in the batch."""
+        self._requests[r.rid] = r
+        self.running.append(r.rid)
+        self._running_changed()
+
+    def forget(self, rid: int) -> Request:
+        """Drop finished request ``rid`` and return it. ``ValueError`` while it is not done."""
+        r = self.requests[rid]
+        if not r.done:
+            raise ValueError(f"request {rid} is not done")
+        return self._requests.pop(rid)
+
+    def abort(self, rid: int) -> bool:
+        """End ``rid`` now; ``False`` if it had ended; ``KeyError`` for an id never added."""
+        requests = self.requests  # books the decode tokens still pending
+        if rid not in requests:
+            raise KeyError(f"no request {rid}")
+        r = requests[rid]
+        if rid in self.waiting:
+            self.waiting.remove(rid)
+        elif rid in self.running:
+            self.running.remove(rid)
+            self._running_changed()
+        else:
+            return False
+        if r.slot >= 0:  # its tokens live in the allocator (admitted, refused or preempted): free them
+            if r.slot in self.to_preempt:
+                self.to_preempt.remove(r.slot)
+            self.to_free.append(r.slot)
+        r.finish(FinishReason.ABORT, time.time())
+        return True
+
+    def finish(self, r: Request, reason: FinishReason, now: float) -> None:
+        """``r`` (running) ended: its slot's blocks are freed in the next step."""
+        self.running.remove(r.rid)
+        self._running_changed()
+        self.to_free.append(r.slot)
+        r.finish(reason, now)
+
+    def start(self, r: Request) -> None:
+        """Waiting request ``r`` got its first tokens computed: it runs."""
+        self.waiting.remove(r.rid)
+        self.running.append(r.rid)
+        self._running_changed()
+        r.status = RequestStatus.RUNNING
+
+    def free_slot(self) -> int:
+        """A request slot no request holds and none frees next step (-1: none)."""
+        used = {r.slot for r in self.requests.values() if r.slot >= 0} | set(self.to_free)
+        return next((s for s in range(self.max_requests) if s not in used), -1)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a step would do anything: requests waiting or running, or blocks still to free."""
+        return bool(self.waiting or self.running or self.to_free)
+
+    # --- the decode-only record -------------------------------------------------------------
+
+    def _running_changed(self) -> None:
+        """The running set changed: the record no longer describes it (its pending tokens are booked)."""
+        if self._batch is not None:
+            self._batch.flush()
+            self._batch = None
+        self._version += 1
+
+    @property
+    def decode_batch(self) -> DecodeBatch | None:
+        """The decode-only record of the running requests, or ``None``."""
+        b = self._batch
+        return b if b is not None and b.version == self._version else None
+
+    def refresh_decode_batch(self) -> None:
+        """After a step was booked request by request: keep a record if every running request decodes.
+        (A request about to sample its first token stays out of it: its first token is booked then. So
+        does a batch with stop strings: each step's text must be looked at.)"""
+        live = [self._requests[rid] for rid in self.running] if self.vectorised else []
+        decoding = live and all(r.total - r.computed == 1 and r.generated and not r.stop_strings for r in live)
+        self._batch = DecodeBatch.of(self._version, live) if decoding else None
+
+    def shrink_decode_batch(self, finished: list[int]) -> None:
+        """The requests at positions ``finished`` of the record ended (their tokens booked): the rest run on."""
+        b = self._batch
+        keep = sorted(set(range(len(b.rids))) - set(finished))
+        self._version += 1
+        self.running = [b.rids[i] for i in keep]
+        self._batch = b.take(self._version, keep) if keep else None
+
+    # --- planning ---------------------------------------------------------------------------
+
+    def _chunk(self, r: Request, budget: int) -> int:
+        """Tokens ``r`` computes this step: what is left, within the budget and its chunk limit."""
+        left = len(r.prompt) + len(r.generated) - r.computed
+        if left == 1:  # decoding (the usual case, first)
+            return min(1, budget)
+        n = min(left, budget, r.max_chunk)
+        bs = self.block_size
+        if self.align and r.computed % bs:
+            n = min(n, bs - r.computed % bs)  # Mamba: stop at the block boundary
+        return n
+
+    def schedule(self) -> SchedulerOutput:
+        """The next step's plan (it admits the waiting requests it plans: see ``SchedulerOutput``)."""
+        R, budget = self.max_requests, self.token_budget
+        hold, self.hold_admissions = self.hold_admissions, False
+        d = self.decode_batch
+        if d is not None and len(d.rids) <= budget and (hold or not self.waiting or len(d.rids) in (R, budget)):
+            n = len(d.rids)  # every running request decodes, and no waiting one can start: no pass over them
+            slots = np.full(R, -1, np.int32)
+            slots[:n] = d.slots
+            want = np.zeros(R, np.int32)
+            want[:n] = 1
+            multi = not self.waiting or n in (R, budget)
+            return SchedulerOutput(d.rids, d.requests, slots, want, n, n, [], self._changes([]), d, multi)
+        decoding: list[tuple[int, int]] = []  # (request id, tokens)
+        chunked: list[tuple[int, int]] = []
+        requests = self.requests
+        for rid in self.running:
+            r = requests[rid]
+            if budget > 0 and len(r.prompt) + len(r.generated) - r.computed == 1:  # decoding: the usual case
+                decoding.append((rid, 1))
+                budget -= 1
+                continue
+            n = self._chunk(r, budget)
+            if n > 0:
+                (decoding if n == 1 else chunked).append((rid, n))
+                budget -= n
+        picks = decoding + chunked
+        admit: list[int] = []
+        for rid in list(self.waiting):
+            if hold or budget <= 0 or len(picks) >= R:
+                break
+            r = requests[rid]
+            if not r.admitted:
+                if r.slot < 0:
+                    r.slot = self.free_slot()
+                    if r.slot < 0:
+                        break
+                admit.append(rid)
+            n = self._chunk(r, budget)
+            picks.append((rid, n))
+            budget -= n
+        order = [rid for rid, _ in picks]
+        slots = np.full(R, -1, np.int32)
+        want = np.zeros(R, np.int32)
+        slots[:len(picks)] = [requests[rid].slot for rid in order]
+        want[:len(picks)] = [n for _, n in picks]
+        return SchedulerOutput(order, [requests[rid] for rid in order], slots, want, len(decoding),
+                               len(decoding) + len(chunked), admit, self._changes(admit))
+
+    def _changes(self, admit: list[int]) -> Changes | None:
+        """The releases of this step and the prompts of the requests it admits (``None``: nothing)."""
+        if not (admit or self.to_free or self.to_preempt):
+            return None
+        R = self.max_requests
+        free = np.zeros(R, bool)
+        free[self.to_free] = True
+        preempt = np.zeros(R, bool)
+        preempt[self.to_preempt] = True
+        slots = np.full(R, -1, np.int32)
+        lens = np.zeros(R, np.int32)
+        salts = np.zeros(R, np.uint32)
+        prompts: list[int] = []
+        for i, rid in enumerate(admit):
+            r = self._requests[rid]
+            if not self.prefix_caching:
+                self.admissions += 1
+                r.salt = self.admissions
+            toks = r.prompt + r.generated
+            slots[i], lens[i], salts[i] = r.slot, len(toks), r.salt
+            prompts += toks
+        buffer = np.zeros(prompt_buffer(len(prompts)), np.int32)
+        buffer[:len(prompts)] = prompts
+        return Changes(free=free, preempt=preempt, slots=slots, prompts=buffer, lens=lens, salts=salts)
+
+    def sent(self, out: SchedulerOutput) -> None:
+        """``out``'s changes reached the device: its releases are done and its admissions hold slots."""
+        if out.changes is not None:
+            self.to_free, self.to_preempt = [], []
+        for rid in out.admitted:
+            self._requests[rid].admitted = True
+
+    def handle_refusals(self, refused: list[tuple[int, int]], num_blocks: int) -> bool:
+        """vLLM's policy for requests the allocator refused (``(id, tokens wanted)``): a refused running
+        request preempts the latest admitted running one (itself, if it is the latest) and no new
+        request is admitted next step; a refused waiting request just waits. A request refused while it
+        runs alone retries with half the chunk (``RuntimeError`` when a single token does not fit).
+        Returns whether it preempted a request."""
+        running_refused = [(rid, want) for rid, want in refused if rid in self.running]
+        if running_refused:
+            self.hold_admissions = True
+            if len(self.running) > 1:
+                victim = self.running.pop()
+                self._running_changed()
+                r = self._requests[victim]
+                self.to_preempt.append(r.slot)
+                r.computed = 0
+                r.admitted = self.prefix_caching  # without caching: re-admitted under a new salt
+                r.preemptions += 1
+                r.status = RequestStatus.WAITING
+                self.waiting.insert(0, victim)
+                return True
+            if self.to_free:
+                return False  # finished requests free their blocks at the start of the next step
+            rid, want = running_refused[0]
+        elif self.running or self.to_free:
+            return False  # waiting requests retry once blocks come free
+        else:
+            rid, want = refused[0]
+        r = self._requests[rid]
+        if want <= 1:
+            raise RuntimeError(f"request {rid} ({r.total} tokens) does not fit the KV pool "
+                               f"({num_blocks} blocks) even alone")
+        r.max_chunk = want // 2
+        return False
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Its state (the requests themselves, not copies)."""
+        return {"requests": self.requests, "waiting": self.waiting, "running": self.running,
+                "to_free": self.to_free, "to_preempt": self.to_preempt, "next_id": self.next_id,
+                "admissions": self.admissions, "hold_admissions": self.hold_admissions}
+
+    def load_state_dict(self, h: dict) -> None:
+        """Take the state ``state_dict`` gave (not copied). Tokens pending in the old record belonged to the
+        requests replaced here: they are dropped with it."""
+        self._requests, self.waiting, self.running = h["requests"], h["waiting"], h["running"]
+        self.to_free, self.to_preempt, self.next_id = h["to_free"], h["to_preempt"], h["next_id"]
+        self.admissions, self.hold_admissions = h["admissions"], h["hold_admissions"]
+        self._batch = None
+        self._version += 1

@@ -1,0 +1,30 @@
+"""The engine's counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    """Counters over the engine's life."""
+
+    steps: int = 0
+    tokens_computed: int = 0
+    prompt_tokens: int = 0
+    cache_hit_tokens: int = 0
+    generated: int = 0
+    preemptions: int = 0
+    aborted: int = 0
+    host_to_device_bytes: int = 0   # plans (when they change), releases and new prompts
+    device_to_host: int = 0         # reads of a step's report (one per step; two after a lean miss)
+    prepare_calls: int = 0          # steps that released or admitted requests
+    bucket_steps: dict[str, int] = field(default_factory=dict)  # steps per program: token bucket, "lean " ones, "multi-step " ones
+    lean_misses: int = 0            # lean steps that found a block to move (the full step ran after)
+    array_steps: int = 0            # decode-only steps planned and booked with arrays, not per request
+    multi_step_calls: int = 0       # programs that ran several decode steps (``decode_steps > 1``)
+    seconds: float = 0.0            # in ``step()``
+    device_seconds: float = 0.0     # ... from the first program's dispatch to the report's arrival
+
+    def count_program(self, key: str, steps: int = 1) -> None:
+        self.bucket_steps[key] = self.bucket_steps.get(key, 0) + steps
