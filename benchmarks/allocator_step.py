@@ -10,9 +10,10 @@ cheaper call); where one could not vectorise, ``schedule_batch`` runs as a secon
 A decode step first runs ``idle_decode`` (a read-only check of whether the step only counts the token, the
 usual step, with the state it would leave); when a block moves the whole ``decode_step`` runs next, within the
 timing.
-Times are wall clock after compilation, with ``block_until_ready``; decode is the median of the 32 steps, prefill the median of
-``--repeats`` fresh prefills after an untimed one. Run: ``python benchmarks/allocator_step.py [--models full32,gemma3,gptoss]
-[--batch 64,256,1024] [--malloc-hugepages] [--json]``.
+Times are wall clock after compilation, with ``block_until_ready``; decode is the median of the 32 steps,
+prefill the median of ``--repeats`` fresh prefills after an untimed one. Run:
+``python benchmarks/allocator_step.py [--models full32,gemma3,gptoss] [--batch 64,256,1024] [--malloc-hugepages]
+[--json]``.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+import machine
 import numpy as np
 
-import machine
 from hkv_jax.allocator import ops
 from hkv_jax.allocator.decode import DecodePath
 from hkv_jax.allocator.state import Layout, init_state
@@ -40,10 +41,15 @@ PROMPT, DECODE, BS = 2048, 32, 16
 COMPARE_STEPS = 96  # decode steps per protocol with --compare-one-program
 MODELS = {
     "full32": [{"type": "full", "num_kv_heads": 8, "head_size": 128, "dtype": "bfloat16"}],
-    "gemma3": [{"type": "sliding_window", "sliding_window": 1024, "num_kv_heads": 16, "head_size": 128,
-                "dtype": "bfloat16"}] * 5 + [{"type": "full", "num_kv_heads": 16, "head_size": 128, "dtype": "bfloat16"}],
-    "gptoss": [{"type": "sliding_window", "sliding_window": 128, "num_kv_heads": 8, "head_size": 64, "dtype": "bfloat16"},
-               {"type": "full", "num_kv_heads": 8, "head_size": 64, "dtype": "bfloat16"}],
+    "gemma3": [
+        {"type": "sliding_window", "sliding_window": 1024, "num_kv_heads": 16, "head_size": 128, "dtype": "bfloat16"}
+    ]
+    * 5
+    + [{"type": "full", "num_kv_heads": 16, "head_size": 128, "dtype": "bfloat16"}],
+    "gptoss": [
+        {"type": "sliding_window", "sliding_window": 128, "num_kv_heads": 8, "head_size": 64, "dtype": "bfloat16"},
+        {"type": "full", "num_kv_heads": 8, "head_size": 64, "dtype": "bfloat16"},
+    ],
 }
 NUM_LAYERS = {"full32": 32, "gemma3": 62, "gptoss": 36}
 HUGEPAGES = "glibc.malloc.hugetlb=1"
@@ -178,9 +184,12 @@ def main(argv=None) -> int:
     print(f"{'model':<8} {'B':>5} {'blocks':>9} {'decode step us':>15} {'(mean)':>9} {'paths c/v/m/s':>14} "
           f"{'prefill us/req':>15} {'vectorised':>10}")
     for r in rows:
-        print(f"{r['model']:<8} {r['batch']:>5} {r['num_blocks']:>9} {r['decode_step_us']:>15} "
-              f"{r['decode_step_mean_us']:>9} {'/'.join(map(str, r['decode_paths'])):>14} {r['prefill_us_per_request']:>15} "
-              f"{str(r['prefill_vectorised']):>10}")
+        print(
+            f"{r['model']:<8} {r['batch']:>5} {r['num_blocks']:>9} {r['decode_step_us']:>15} "
+            f"{r['decode_step_mean_us']:>9} {'/'.join(map(str, r['decode_paths'])):>14} "
+            f"{r['prefill_us_per_request']:>15} "
+            f"{str(r['prefill_vectorised']):>10}"
+        )
         if "decode_one_program_us" in r:
             print(f"{'':<8} {'':>5} {'':>9} {r['decode_one_program_us']:>15} {r['decode_one_program_mean_us']:>9}"
                   f"  <- the whole decode_step as one program per step, same run")

@@ -23,12 +23,12 @@ import sys
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
 
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
 import machine  # noqa: E402
+import numpy as np  # noqa: E402
+from matmul_cpu import median_ms  # noqa: E402
+
 from kernels_pallas import blocked  # noqa: E402
 from kernels_pallas.reference import AttentionParams  # noqa: E402
-from matmul_cpu import median_ms  # noqa: E402
 
 # name: (T, S, query heads, KV heads, head size, L, sliding window)
 CASES = {

@@ -65,7 +65,8 @@ def case_bytes(batch: int, context: int, page: int, q_tokens: int, kv_heads=KV_H
 def implementations(mode: str, smoke: bool):
     """name -> fn(q, pages, tables, qsl, lens) for the implementations of ``mode``."""
     params = AttentionParams()
-    paged = lambda impl: lambda *a: kernels_pallas.paged_attention(*a, params, impl=impl, interpret=smoke)
+    def paged(impl):
+        return lambda *a: kernels_pallas.paged_attention(*a, params, impl=impl, interpret=smoke)
     # On CPU "auto" is the reference; --smoke times the portable kernel under "ours" instead.
     impls = {"ours": paged("triton" if smoke else "auto"), "triton": paged("triton"),
              "xla": lambda *a: reference.paged_attention(*a, params)}

@@ -48,14 +48,14 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
+import allocator_step
 import jax
 import jax.numpy as jnp
+import machine
 import numpy as np
+from allocator_step import BS, MODELS, NUM_LAYERS, PROMPT
 from flax import nnx
 
-import machine
-import allocator_step
-from allocator_step import BS, MODELS, NUM_LAYERS, PROMPT
 from hkv_jax.engine import Engine
 from hkv_jax.generate import GenerateConfig
 from hkv_jax.models.tiny import TinyConfig, TinyLM
@@ -160,16 +160,27 @@ def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int, k
         steps_dev += [dev / ran] * ran
     if eng.stats.preemptions:
         raise RuntimeError("a decode step preempted: the pool is too small")
-    us = lambda xs: round(statistics.median(xs) * 1e6, 1)
-    return {"model": model_name, "batch": batch, "path": path, "decode_steps": k, "max_call_seconds": budget, "window_aware_eviction": early,
-            "num_blocks": eng.layout.num_blocks,
-            "groups": eng.layout.num_groups, "programs": eng.stats.bucket_steps,
-            "decode_step_us": us(steps), "decode_step_mean_us": round(statistics.mean(steps) * 1e6, 1),
-            "decode_device_us": us(steps_dev),
-            "decode_host_us": round(us(steps) - us(steps_dev), 1),
-            "prefill_us_per_request": round(us(prefill) / batch, 1),
-            "prefill_device_us_per_request": round(us(prefill_dev) / batch, 1),
-            "floor_us": us([dispatch_floor(eng)])}
+    def us(xs):
+        return round(statistics.median(xs) * 1e6, 1)
+
+    return {
+        "model": model_name,
+        "batch": batch,
+        "path": path,
+        "decode_steps": k,
+        "max_call_seconds": budget,
+        "window_aware_eviction": early,
+        "num_blocks": eng.layout.num_blocks,
+        "groups": eng.layout.num_groups,
+        "programs": eng.stats.bucket_steps,
+        "decode_step_us": us(steps),
+        "decode_step_mean_us": round(statistics.mean(steps) * 1e6, 1),
+        "decode_device_us": us(steps_dev),
+        "decode_host_us": round(us(steps) - us(steps_dev), 1),
+        "prefill_us_per_request": round(us(prefill) / batch, 1),
+        "prefill_device_us_per_request": round(us(prefill_dev) / batch, 1),
+        "floor_us": us([dispatch_floor(eng)]),
+    }
 
 
 def model_share(model_name: str, batch: int, decode: int) -> dict:
@@ -227,8 +238,11 @@ def main(argv=None) -> int:
             for path, k in runs:
                 print(f"... {m} B={b} {path}" + (f" K={k}" if path == "multi" else ""), file=sys.stderr, flush=True)
                 row = run_one(m, b, path, a.decode, a.repeats, k, a.window_aware_eviction)
-                row.update(alloc_decode_us=ref["decode_step_us"], alloc_prefill_us_per_request=ref["prefill_us_per_request"],
-                           decode_device_vs_alloc=round(row["decode_device_us"] / ref["decode_step_us"], 2))
+                row.update(
+                    alloc_decode_us=ref["decode_step_us"],
+                    alloc_prefill_us_per_request=ref["prefill_us_per_request"],
+                    decode_device_vs_alloc=round(row["decode_device_us"] / ref["decode_step_us"], 2),
+                )
                 rows.append(row)
                 print("    " + json.dumps(row), file=sys.stderr, flush=True)  # kept if a later row fails
         for b in map(int, filter(None, a.model_share.split(","))):
@@ -238,14 +252,19 @@ def main(argv=None) -> int:
         print(json.dumps({"steps": rows, "model_share": shares}, indent=1))
         return 0
     print(f"machine: {machine.describe()}")
-    print(f"{'model':<8} {'B':>5} {'path':>7} {'decode step us':>15} {'mean':>7} {'device':>9} {'host':>9} {'floor':>7} "
-          f"{'alloc':>7} {'dev/alloc':>9} {'prefill us/req':>15} {'device':>9} {'alloc':>7}")
+    print(
+        f"{'model':<8} {'B':>5} {'path':>7} {'decode step us':>15} {'mean':>7} {'device':>9} {'host':>9} {'floor':>7} "
+        f"{'alloc':>7} {'dev/alloc':>9} {'prefill us/req':>15} {'device':>9} {'alloc':>7}"
+    )
     for r in rows:
         label = r["path"] + (str(r["decode_steps"]) if r["path"] == "multi" else "")
-        print(f"{r['model']:<8} {r['batch']:>5} {label:>7} {r['decode_step_us']:>15} {r['decode_step_mean_us']:>7} {r['decode_device_us']:>9} "
-              f"{r['decode_host_us']:>9} {r['floor_us']:>7} {r['alloc_decode_us']:>7} {r['decode_device_vs_alloc']:>9} "
-              f"{r['prefill_us_per_request']:>15} {r['prefill_device_us_per_request']:>9} "
-              f"{r['alloc_prefill_us_per_request']:>7}")
+        print(
+            f"{r['model']:<8} {r['batch']:>5} {label:>7} {r['decode_step_us']:>15} {r['decode_step_mean_us']:>7} "
+            f"{r['decode_device_us']:>9} "
+            f"{r['decode_host_us']:>9} {r['floor_us']:>7} {r['alloc_decode_us']:>7} {r['decode_device_vs_alloc']:>9} "
+            f"{r['prefill_us_per_request']:>15} {r['prefill_device_us_per_request']:>9} "
+            f"{r['alloc_prefill_us_per_request']:>7}"
+        )
     for s in shares:
         print(f"{s['model']:<8} {s['batch']:>5} decode step: no-op model {s['noop_decode_step_us']} us, tiny model "
               f"{s['tiny_decode_step_us']} us: model share {s['model_share_us']} us")

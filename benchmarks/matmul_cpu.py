@@ -14,15 +14,14 @@ Run: ``python benchmarks/matmul_cpu.py [--rows 1,2,8,32,128] [--repeats 7] [--js
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+import machine
 import numpy as np
 
-import machine
 from hkv_jax.models.quant import int8_matmul
 
 SHAPES = {"output projection": (640, 262144), "mlp up": (640, 2048)}

@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 
 import jax
+from real_model import REFERENCE
 
 from hkv_jax.engine import Engine
 from hkv_jax.generate import engine_for
 from hkv_jax.models.pretrained import load_pretrained
 from hkv_jax.models.quant import QUANTIZE
-from real_model import REFERENCE
 
 
 def op_times(trace_dir: str) -> collections.Counter:

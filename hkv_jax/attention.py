@@ -22,8 +22,17 @@ import jax
 import jax.numpy as jnp
 
 import kernels_pallas
-from hkv_jax.cache import (KVCache, LayerSlot, layer_kv, local_slot, page_view, replace_buffer,
-                           set_layer_kv, slot_mapping, store_page_view)
+from hkv_jax.cache import (
+    KVCache,
+    LayerSlot,
+    layer_kv,
+    local_slot,
+    page_view,
+    replace_buffer,
+    set_layer_kv,
+    slot_mapping,
+    store_page_view,
+)
 from hkv_jax.spec import ChunkedLocalSpec, SlidingWindowSpec
 from kernels_pallas.reference import AttentionParams, query_positions
 

@@ -291,7 +291,8 @@ def _mamba_slot(layout: CacheLayout, layer: str, block_ids: jax.Array) -> LayerS
 
 def read_mamba_state(cache: KVCache, layer: str,
                      block_ids: jax.Array) -> tuple[jax.Array, ...]:
-    """The states of a Mamba layer for ``block_ids: i32[R, blocks_per_state]``: one ``dtype[R, *shape]`` per state tensor."""
+    """The states of a Mamba layer for ``block_ids: i32[R, blocks_per_state]``: one ``dtype[R, *shape]`` per
+    state tensor."""
     slot = _mamba_slot(cache.layout, layer, block_ids)
     pages = cache.buffers[slot.tensor][block_ids]                      # word[R, k, W]
     raw = _words_to(pages, jnp.uint8).reshape(block_ids.shape[0], -1)  # u8[R, k * page bytes]

@@ -218,8 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", help=f"KV cache memory budget, e.g. 80GiB (default {DEFAULT_MEMORY})")
     p.add_argument("--num-blocks", type=int, help="pool size in blocks, null block included (instead of --memory)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY, help=f"grouping policy (default {DEFAULT_POLICY})")
-    p.add_argument("--max-model-len", type=int, help="request length for the concurrency figure (default: the config's max_position_embeddings)")
+    p.add_argument(
+        "--policy", choices=POLICIES, default=DEFAULT_POLICY, help=f"grouping policy (default {DEFAULT_POLICY})"
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="request length for the concurrency figure (default: the config's max_position_embeddings)",
+    )
     p.add_argument("--dtype", help="KV cache dtype (default: the model's, float32 served as bfloat16)")
     p.add_argument("--tp", type=int, default=1, help="devices on the mesh's model axis: --memory is then per "
                    "device, and the report says what one device holds (default 1)")
@@ -229,7 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="run a trace of scheduler decisions through the allocator")
     r.add_argument("trace", help="trace file (format: docs/trace-format.md)")
     r.add_argument("-o", "--output", help="write the result JSON here (compare with tools/compare_replay.py)")
-    r.add_argument("--policy", choices=POLICIES, default="vllm", help="planner policy (default vllm: the conformance mode)")
+    r.add_argument(
+        "--policy", choices=POLICIES, default="vllm", help="planner policy (default vllm: the conformance mode)"
+    )
     r.add_argument("--engine", choices=("jax", "model"), default="jax",
                    help="jax: the jitted allocator (default); model: the plain-Python statement of the rules")
     r.add_argument("--window-aware-eviction", action="store_true",

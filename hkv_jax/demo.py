@@ -85,24 +85,42 @@ def build_engine(cfg: DemoConfig, **engine_options):
     from ``seed``), whose workload is token ids. ``engine_options``: more ``Engine`` arguments."""
     if is_pretrained(cfg.model):
         model, codec = load_pretrained(cfg.model, quantize=cfg.quantize)
-        return engine_for(model, cfg.max_model_len or 512, num_blocks=cfg.num_blocks, max_requests=cfg.max_requests, block_size=cfg.block_size,
-                          token_budget=cfg.token_budget, seed=cfg.seed, decode_steps=cfg.decode_steps,
-                          max_call_seconds=cfg.max_call_seconds, window_aware_eviction=cfg.window_aware_eviction,
-                          detokenize=codec.decode,
-                          **engine_options), codec
+        return engine_for(
+            model,
+            cfg.max_model_len or 512,
+            num_blocks=cfg.num_blocks,
+            max_requests=cfg.max_requests,
+            block_size=cfg.block_size,
+            token_budget=cfg.token_budget,
+            seed=cfg.seed,
+            decode_steps=cfg.decode_steps,
+            max_call_seconds=cfg.max_call_seconds,
+            window_aware_eviction=cfg.window_aware_eviction,
+            detokenize=codec.decode,
+            **engine_options,
+        ), codec
     if cfg.model not in TINY_MODELS:
         raise ValueError(f"unknown model {cfg.model!r}; choose {DEFAULT_REAL} or one of {', '.join(TINY_MODELS)}")
     if cfg.quantize is not None:
         raise ValueError(f"quantize={cfg.quantize!r} needs a real model, not {cfg.model}")
     _, config = resolve_model(cfg.model)
     model = TinyLM(TinyConfig.from_hf(config), nnx.Rngs(cfg.seed))
-    return Engine(model, num_blocks=cfg.num_blocks or 160, block_size=cfg.block_size,
-                  max_requests=cfg.max_requests, max_model_len=cfg.max_model_len or 256, token_budget=cfg.token_budget, seed=cfg.seed,
-                  # One step program: a tiny model's decode steps gain little from their own, and each
-                  # program costs tens of seconds to compile on a CPU.
-                  token_buckets=(cfg.token_budget,), decode_steps=cfg.decode_steps,
-                  max_call_seconds=cfg.max_call_seconds,
-                  window_aware_eviction=cfg.window_aware_eviction, **engine_options), None
+    return Engine(
+        model,
+        num_blocks=cfg.num_blocks or 160,
+        block_size=cfg.block_size,
+        max_requests=cfg.max_requests,
+        max_model_len=cfg.max_model_len or 256,
+        token_budget=cfg.token_budget,
+        seed=cfg.seed,
+        # One step program: a tiny model's decode steps gain little from their own, and each
+        # program costs tens of seconds to compile on a CPU.
+        token_buckets=(cfg.token_budget,),
+        decode_steps=cfg.decode_steps,
+        max_call_seconds=cfg.max_call_seconds,
+        window_aware_eviction=cfg.window_aware_eviction,
+        **engine_options,
+    ), None
 
 
 def _bar(done: int, total: int, extra: str) -> None:
@@ -224,7 +242,8 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
 def format_summary(summary: dict) -> str:
     """The summary as a few human-readable lines."""
     s = summary
-    kib = lambda b: f"{b / 1024:.1f} KiB"
+    def kib(b):
+        return f"{b / 1024:.1f} KiB"
     return "\n".join([
         f"model {s['model']}: {s['requests']} requests, {s['steps']} steps in {s['seconds']} s "
         f"({s['compilations']} compilation(s) of the step)",

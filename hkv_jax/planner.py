@@ -24,7 +24,6 @@ Policies (``docs/SEMANTICS.md``, "Planning", states ``vllm`` exactly):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any

@@ -18,7 +18,9 @@ def example_allocation(cfg: KVCacheConfig, num_tokens: int) -> list[int]:
     return owners[:_MAX_COLUMNS]
 
 
-def plot_plan(path: str, model: str, chosen: KVCacheConfig, others: dict[str, KVCacheConfig], max_model_len: int) -> None:
+def plot_plan(
+    path: str, model: str, chosen: KVCacheConfig, others: dict[str, KVCacheConfig], max_model_len: int
+) -> None:
     """Write a PNG: shared tensors x blocks coloured by group, and max concurrency per policy."""
     try:
         import matplotlib
@@ -55,13 +57,17 @@ def plot_plan(path: str, model: str, chosen: KVCacheConfig, others: dict[str, KV
         f"page {cfg.page_size_bytes} B, padding {100 * cfg.padding_fraction:.1f}% (hatched)"
     )
     shown = sorted({g for g in owners if g >= 0})
-    handles = [Patch(color=cmap(g % 20), label=f"g{g} {cfg.groups[g].spec.kind} bs={cfg.groups[g].block_size}") for g in shown]
+    handles = [
+        Patch(color=cmap(g % 20), label=f"g{g} {cfg.groups[g].spec.kind} bs={cfg.groups[g].block_size}") for g in shown
+    ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
 
     names = list(others)
     conc = [others[n].max_concurrent_requests(max_model_len) for n in names]
     bars = bx.barh(names, conc, color=["tab:blue" if n == cfg.policy else "tab:gray" for n in names])
-    bx.bar_label(bars, [f"{c} req, pad {100 * others[n].padding_fraction:.1f}%" for c, n in zip(conc, names)], fontsize=8)
+    bx.bar_label(
+        bars, [f"{c} req, pad {100 * others[n].padding_fraction:.1f}%" for c, n in zip(conc, names)], fontsize=8
+    )
     bx.set_xlabel(f"max concurrent requests at {max_model_len} tokens, {others[names[0]].total_bytes / 2**30:.1f} GiB")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

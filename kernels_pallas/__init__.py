@@ -22,9 +22,9 @@ Shapes and conventions: ``reference.py``. Implementations (``impl``):
 ``auto``
     Per call, so per KV cache group, from the shapes (decided when the step is
     traced): on a GPU of compute capability 9.x ``mosaic_gpu`` when
-    ``paged_attention_mgpu.supported`` takes the shapes, else ``triton`` when
-    ``paged_attention_portable.supported`` does, else ``blocked``; on a TPU
-    ``tpu`` when ``paged_attention_tpu.supported`` takes them, else
+    ``paged_attention_mgpu.supports`` takes the shapes, else ``triton`` when
+    ``paged_attention_portable.supports`` does, else ``blocked``; on a TPU
+    ``tpu`` when ``paged_attention_tpu.supports`` takes them, else
     ``blocked``; ``blocked`` elsewhere (``choose``).
 
 ``interpret=True`` runs a Pallas implementation on CPU (tests).
@@ -34,13 +34,16 @@ from __future__ import annotations
 
 import jax
 
-from kernels_pallas import blocked
-from kernels_pallas import kv_write_portable as _kv_write
-from kernels_pallas import paged_attention_portable as _portable
-from kernels_pallas import paged_attention_mgpu as _mgpu
-from kernels_pallas import paged_attention_tpu as _tpu
-from kernels_pallas import reference
+from kernels_pallas import (
+    blocked,
+    kv_write_portable,
+    paged_attention_mgpu,
+    paged_attention_portable,
+    paged_attention_tpu,
+    reference,
+)
 from kernels_pallas.reference import AttentionParams
+from kernels_pallas.support import YES, Support
 
 IMPLS = ("auto", "reference", "blocked", "triton", "mosaic_gpu", "tpu", "triton_interpret", "tpu_interpret")
 
@@ -72,25 +75,30 @@ def _known(impl: str) -> str:
     return impl
 
 
+def supports(impl: str, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int, max_blocks: int = 0) -> Support:
+    """Whether attention kernel ``impl`` takes these shapes (with the reason when it does not); the jnp
+    implementations take every shape."""
+    if impl == "mosaic_gpu":  # q is cast to the KV dtype for this kernel: q's own dtype does not matter
+        return paged_attention_mgpu.supports(kv_dtype, kv_pages_shape, kv_dtype, num_q_heads, max_blocks)
+    if impl == "triton":
+        return paged_attention_portable.supports(kv_pages_shape, num_q_heads)
+    if impl == "tpu":
+        return paged_attention_tpu.supports(kv_pages_shape, kv_dtype, num_q_heads)
+    return YES
+
+
 def choose(impl: str, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int, max_blocks: int = 0) -> str:
     """The implementation ``impl`` runs for these shapes: itself, or for ``auto`` the first of
     ``mosaic_gpu -> triton -> blocked`` (GPUs) or ``tpu -> blocked``, starting at ``default_impl()``,
-    whose ``supported`` takes them (``max_blocks``: the block table's width). Raises ``ValueError`` for an
+    whose ``supports`` takes them (``max_blocks``: the block table's width). Raises ``ValueError`` for an
     unknown ``impl``."""
     if _known(impl) != "auto":
         return impl
     first = default_impl()
     order = ("tpu", "blocked") if first == "tpu" else ("mosaic_gpu", "triton", "blocked")
     for candidate in order[order.index(first):]:
-        # q is cast to the KV dtype for the Mosaic kernel (paged_attention): q's own dtype does not matter.
-        if candidate == "mosaic_gpu" and _mgpu.supported(kv_dtype, kv_pages_shape, kv_dtype, num_q_heads,
-                                                          max_blocks):
-            continue
-        if candidate == "triton" and _portable.supported(kv_pages_shape, num_q_heads):
-            continue
-        if candidate == "tpu" and _tpu.supported(kv_pages_shape, kv_dtype, num_q_heads):
-            continue
-        return candidate
+        if supports(candidate, kv_pages_shape, kv_dtype, num_q_heads, max_blocks):
+            return candidate
     raise AssertionError("blocked takes every shape")
 
 
@@ -105,14 +113,16 @@ def paged_attention(q, kv_pages, block_tables, query_start_loc, seq_lens, params
         impl, interpret = impl.removesuffix("_interpret"), True
     args = (kv_pages, block_tables, query_start_loc, seq_lens, params, sinks)
     if impl == "tpu":
-        return _tpu.paged_attention(q, *args, interpret=interpret)
+        return paged_attention_tpu.paged_attention(q, *args, interpret=interpret)
     if impl == "mosaic_gpu":
-        return _mgpu.paged_attention(q.astype(kv_pages.dtype), *args, interpret=interpret).astype(q.dtype)
+        return paged_attention_mgpu.paged_attention(q.astype(kv_pages.dtype), *args, interpret=interpret).astype(
+            q.dtype
+        )
     if impl == "reference":
         return reference.paged_attention(q, *args)
     if impl == "blocked":
         return blocked.paged_attention(q, *args)
-    return _portable.paged_attention(q, *args, interpret=interpret)
+    return paged_attention_portable.paged_attention(q, *args, interpret=interpret)
 
 
 def kv_write(kv_pages, k, v, slots, *, impl: str = "auto", interpret: bool = False):
@@ -124,12 +134,12 @@ def kv_write(kv_pages, k, v, slots, *, impl: str = "auto", interpret: bool = Fal
     the jnp scatter (TPUs included: XLA's scatter writes the pages in place).
     """
     if _known(impl) == "auto":
-        kernel = default_impl() in ("triton", "mosaic_gpu") and _kv_write.supported(kv_pages.shape) is None
+        kernel = default_impl() in ("triton", "mosaic_gpu") and bool(kv_write_portable.supports(kv_pages.shape))
     else:
         kernel = impl in ("triton", "mosaic_gpu", "triton_interpret")
         interpret |= impl == "triton_interpret"
     if kernel:
-        return _kv_write.kv_write(kv_pages, k, v, slots, interpret=interpret)
+        return kv_write_portable.kv_write(kv_pages, k, v, slots, interpret=interpret)
     return reference.kv_write(kv_pages, k, v, slots)
 
 

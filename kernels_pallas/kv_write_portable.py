@@ -16,14 +16,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.paged_attention_portable import pow2_at_least
+from kernels_pallas.support import YES, Support, no
 
 
-def supported(kv_pages_shape: tuple[int, ...]) -> str | None:
+def supports(kv_pages_shape: tuple[int, ...]) -> Support:
     """Why this kernel cannot write into pages of this shape (``None`` when it can)."""
     d = kv_pages_shape[-1]
     if d != pow2_at_least(d):
-        return f"head_size {d} (Triton rows need a power of 2)"
-    return None
+        return no(f"head_size {d} (Triton rows need a power of 2)")
+    return YES
 
 
 def _kernel(slots_ref, k_ref, v_ref, kv_in_ref, kv_ref):
@@ -50,9 +51,9 @@ def kv_write(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, 
     num_tokens, hkv, d = k.shape
     if v.shape != k.shape or kv_pages.shape[2] != hkv or kv_pages.shape[4] != d:
         raise ValueError(f"k {k.shape} / v {v.shape} do not fit kv_pages {kv_pages.shape}")
-    why = supported(kv_pages.shape)
-    if why:
-        raise ValueError(f"the portable KV write does not take {why}")
+    support = supports(kv_pages.shape)
+    if not support:
+        raise ValueError(f"the portable KV write does not take {support.reason}")
     whole = pl.BlockSpec(kv_pages.shape, lambda t, h: (0,) * 5)
     row = pl.BlockSpec((None, None, d), lambda t, h: (t, h, 0))
     return pl.pallas_call(

@@ -23,7 +23,7 @@ past the last position, or pages shared with Mamba states) may hold any bits,
 NaN and Inf included. Their scores are masked, and their V rows are zeroed in
 shared memory before ``P V`` (only the first and last tile can hold them).
 
-Limits (``supported``; the dispatcher falls back to the portable kernel): bf16 or
+Limits (``supports``; the dispatcher falls back to the portable kernel): bf16 or
 fp16 KV equal to q's dtype, ``block_size`` a multiple of 16, ``head_size`` a
 multiple of 64, ``G`` dividing 64, shared memory within an H100/H200's 227 KiB.
 """
@@ -41,6 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels_pallas import ragged
 from kernels_pallas.paged_attention_portable import MASK_VALUE
 from kernels_pallas.reference import AttentionParams
+from kernels_pallas.support import YES, Support, no
 
 ROWS = 64  # query rows per warpgroup: the wgmma M dimension
 KEYS = 64  # keys per loop iteration: P's rows are 128 bytes in bf16/fp16
@@ -56,24 +57,24 @@ def smem_bytes(head_size: int, max_blocks: int, itemsize: int = 2) -> int:
     return tiles + 4 * (-(-max_blocks // 4) * 4) + 4 * (8 + 2 * ROWS + ROWS) + 64
 
 
-def supported(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int,
-              max_blocks: int = 0) -> str | None:
+def supports(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int,
+              max_blocks: int = 0) -> Support:
     """Why this kernel cannot run the given shapes (``None`` when it can); ``max_blocks``: the
     block table's width (its row sits in shared memory)."""
     _, _, hkv, bs, d = kv_pages_shape
     if jnp.dtype(kv_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"KV dtype {jnp.dtype(kv_dtype).name} (bf16/fp16 only)"
+        return no(f"KV dtype {jnp.dtype(kv_dtype).name} (bf16/fp16 only)")
     if jnp.dtype(q_dtype) != jnp.dtype(kv_dtype):
-        return "q and KV dtypes differ"
+        return no("q and KV dtypes differ")
     if bs % 16:
-        return f"block_size {bs} (a multiple of 16 needed)"
+        return no(f"block_size {bs} (a multiple of 16 needed)")
     if d % 64:
-        return f"head_size {d} (a multiple of 64 needed)"
+        return no(f"head_size {d} (a multiple of 64 needed)")
     if num_q_heads % hkv or ROWS % (num_q_heads // hkv):
-        return f"GQA group {num_q_heads // max(hkv, 1)} does not divide {ROWS}"
+        return no(f"GQA group {num_q_heads // max(hkv, 1)} does not divide {ROWS}")
     if smem_bytes(d, max_blocks) > SMEM_BYTES:
-        return f"head_size {d} with {max_blocks} table columns ({smem_bytes(d, max_blocks)} bytes of shared memory)"
-    return None
+        return no(f"head_size {d} with {max_blocks} table columns ({smem_bytes(d, max_blocks)} bytes of shared memory)")
+    return YES
 
 
 def _item_metadata(items: ragged.WorkItems, query_start_loc, seq_lens, block_q,
@@ -214,13 +215,13 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     """Ragged paged attention (shapes: ``reference.py``) with the Mosaic GPU kernel.
 
     ``interpret=True`` runs it in Mosaic GPU's interpreter on CPU. Raises
-    ``ValueError`` for shapes the kernel does not take (``supported``).
+    ``ValueError`` for shapes the kernel does not take (``supports``).
     """
     num_tokens, hq, d = q.shape
     _, _, hkv, bs, _ = kv_pages.shape
-    why = supported(q.dtype, kv_pages.shape, kv_pages.dtype, hq, block_tables.shape[1])
-    if why:
-        raise ValueError(f"Mosaic GPU paged attention does not take {why}")
+    support = supports(q.dtype, kv_pages.shape, kv_pages.dtype, hq, block_tables.shape[1])
+    if not support:
+        raise ValueError(f"Mosaic GPU paged attention does not take {support.reason}")
     group = hq // hkv
     block_q = ROWS // group
     items = ragged.work_items(query_start_loc, num_tokens, block_q)

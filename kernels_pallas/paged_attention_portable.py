@@ -13,7 +13,7 @@ power-of-2 tiles of whatever the planner emits: the GQA group is padded to
 the next power of 2 (zero query heads, dropped from the output), and a page
 whose block size is not a power of 2 (80 or 528 tokens under the vllm policy
 with Mamba layers) is read in slices of its largest power-of-2 divisor.
-``supported`` names what remains out of reach (a head size that is not a
+``supports`` names what remains out of reach (a head size that is not a
 power of 2).
 
 ``page_step`` and ``finish`` hold the math shared with the Mosaic GPU variant.
@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas import ragged
 from kernels_pallas.reference import AttentionParams, key_mask
+from kernels_pallas.support import YES, Support, no
 
 MASK_VALUE = -1e30
 
@@ -43,14 +44,14 @@ def pow2_tile(block_size: int) -> int:
     return block_size & -block_size
 
 
-def supported(kv_pages_shape: tuple[int, ...], num_q_heads: int) -> str | None:
+def supports(kv_pages_shape: tuple[int, ...], num_q_heads: int) -> Support:
     """Why this kernel cannot run the given shapes (``None`` when it can)."""
     _, two, hkv, _, d = kv_pages_shape
     if two != 2 or num_q_heads % hkv:
-        return f"{num_q_heads} query heads do not fit kv_pages {tuple(kv_pages_shape)}"
+        return no(f"{num_q_heads} query heads do not fit kv_pages {tuple(kv_pages_shape)}")
     if d != pow2_at_least(d):
-        return f"head_size {d} (Triton tiles need a power of 2)"
-    return None
+        return no(f"head_size {d} (Triton tiles need a power of 2)")
+    return YES
 
 
 def page_step(q, k, v, k_pos, row_pos, row_ok, k_lo, k_hi, carry, params: AttentionParams):
@@ -134,14 +135,14 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
 
     ``interpret=True`` runs it on CPU; on a GPU it lowers through Triton.
     ``block_q`` must be a power of 2. Raises ``ValueError`` for shapes the
-    kernel does not take (``supported``).
+    kernel does not take (``supports``).
     """
     num_tokens, hq, d = q.shape
     if kv_pages.ndim != 5 or kv_pages.shape[4] != d:
         raise ValueError(f"q {q.shape} does not fit kv_pages {kv_pages.shape}")
-    why = supported(kv_pages.shape, hq)
-    if why or block_q != pow2_at_least(block_q):
-        raise ValueError(f"portable paged attention does not take {why or f'block_q {block_q}'}")
+    support = supports(kv_pages.shape, hq)
+    if not support or block_q != pow2_at_least(block_q):
+        raise ValueError(f"portable paged attention does not take {support.reason or f'block_q {block_q}'}")
     hkv = kv_pages.shape[2]
     group = hq // hkv
     padded = pow2_at_least(group)  # zero query heads: block_q x padded rows per program
@@ -152,7 +153,8 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     n = items.seq.shape[0]
     q_items = ragged.gather_queries(q, items, block_q).reshape(n, block_q, hkv, group, d)
     q_items = jnp.pad(q_items, ((0, 0), (0, 0), (0, 0), (0, padded - group), (0, 0)))
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
+    def whole(shape):
+        return pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
     q_tile = pl.BlockSpec((None, block_q, None, padded, d), lambda i, h: (i, 0, h, 0, 0))
     in_specs = [whole(bounds.shape), whole(block_tables.shape), q_tile, whole(kv_pages.shape)]
     args = [bounds, block_tables.astype(jnp.int32), q_items, kv_pages]

@@ -29,11 +29,12 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels_pallas import ragged
 from kernels_pallas.paged_attention_portable import finish, init_carry, page_step
 from kernels_pallas.reference import AttentionParams
+from kernels_pallas.support import YES, Support, no
 
 LANES = 128  # a TPU vector register is [8 * packing, 128]: the head size fills whole lanes
 
 
-def supported(kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int) -> str | None:
+def supports(kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int) -> Support:
     """Why this kernel should not be compiled for a TPU at these shapes (``None`` when it can).
 
     Interpret mode runs any shape; on a TPU the head size must fill whole 128-lane vectors and a page's
@@ -42,13 +43,13 @@ def supported(kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int) -> st
     """
     _, two, hkv, bs, d = kv_pages_shape
     if two != 2 or num_q_heads % hkv:
-        return f"{num_q_heads} query heads do not fit kv_pages {tuple(kv_pages_shape)}"
+        return no(f"{num_q_heads} query heads do not fit kv_pages {tuple(kv_pages_shape)}")
     if d % LANES:
-        return f"head_size {d} (TPU vectors are {LANES} lanes)"
+        return no(f"head_size {d} (TPU vectors are {LANES} lanes)")
     rows = 8 * (4 // jnp.dtype(kv_dtype).itemsize)
     if bs % rows:
-        return f"block_size {bs} ({jnp.dtype(kv_dtype).name} pages need multiples of {rows} rows)"
-    return None
+        return no(f"block_size {bs} ({jnp.dtype(kv_dtype).name} pages need multiples of {rows} rows)")
+    return YES
 
 
 def _kernel(bounds_ref, tables_ref, q_ref, kv_hbm, *rest, params: AttentionParams, group: int,
@@ -98,7 +99,7 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     """Ragged paged attention (shapes: ``reference.py``) with the Pallas TPU kernel.
 
     ``interpret=True`` runs it on any backend (TPU interpret mode). Raises ``ValueError`` when q does
-    not fit the pages; ``supported`` says which shapes a TPU should compile.
+    not fit the pages; ``supports`` says which shapes a TPU should compile.
     """
     num_tokens, hq, d = q.shape
     if kv_pages.ndim != 5 or kv_pages.shape[1] != 2 or kv_pages.shape[4] != d or hq % kv_pages.shape[2]:

@@ -65,10 +65,11 @@ def pytest_collection_modifyitems(config, items):
 
     items.sort(key=rank)
 
-import numpy as np
-import pytest
+# These come after the environment settings above, which must precede jax's import.
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
-from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # vLLM 0.33's answers on the conformance traces (docs/trace-format.md), and the tool that compares results.
@@ -128,12 +129,18 @@ def semantic(st, layout):
         _LOOKUPS.append(jax.jit(_lookups))
     # The hashes of every request's full blocks (past them a slot's hashes are unspecified).
     full = np.arange(st.hashes.shape[1])[None, :] < np.asarray(st.num_tokens)[:, None] // layout.block_size
-    out = {"queue": queue_order(st.block_pool.free_queue), "free": int(st.block_pool.free_queue.num_free),
-           "ref_count": np.asarray(st.block_pool.free_queue.ref_count).tolist(), "status": np.asarray(st.status).tolist()}
+    out = {
+        "queue": queue_order(st.block_pool.free_queue),
+        "free": int(st.block_pool.free_queue.num_free),
+        "ref_count": np.asarray(st.block_pool.free_queue.ref_count).tolist(),
+        "status": np.asarray(st.status).tolist(),
+    }
     for f in ("tables", "table_len", "num_computed", "num_cached", "retired", "last_state"):
         out[f] = np.asarray(getattr(st, f)).tolist()
     out["cached"] = (np.asarray(st.block_pool.prefix_cache.block_slot) >= 0).tolist()
-    out["lookups"] = np.asarray(_LOOKUPS[0](st.block_pool.prefix_cache, st.hashes.reshape(-1, 4), full.reshape(-1))).tolist()
+    out["lookups"] = np.asarray(
+        _LOOKUPS[0](st.block_pool.prefix_cache, st.hashes.reshape(-1, 4), full.reshape(-1))
+    ).tolist()
     return out
 
 

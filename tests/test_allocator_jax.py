@@ -54,8 +54,12 @@ def test_failed_running_schedule_only_releases_out_of_window_blocks():
     assert int(m.state.num_computed[slot]) == int(before.num_computed[slot])
     same = ["status", "tokens", "num_tokens", "hashes", "num_computed", "table_len", "num_cached", "step_cached"]
     assert all((np.asarray(getattr(before, f)) == np.asarray(getattr(m.state, f))).all() for f in same)
-    assert all((np.asarray(x) == np.asarray(y)).all()
-               for x, y in zip(jax.tree.leaves(before.block_pool.prefix_cache), jax.tree.leaves(m.state.block_pool.prefix_cache)))
+    assert all(
+        (np.asarray(x) == np.asarray(y)).all()
+        for x, y in zip(
+            jax.tree.leaves(before.block_pool.prefix_cache), jax.tree.leaves(m.state.block_pool.prefix_cache)
+        )
+    )
 
 
 @pytest.mark.parametrize("donate", [False, True])
@@ -154,8 +158,9 @@ def test_window_aware_eviction_sends_out_of_window_blocks_to_the_queue_front(awa
 
 @pytest.mark.parametrize("G", [1, 3])
 def test_counters_write_only_their_columns(G):
-    from hkv_jax.allocator.state import GROUP_COUNTERS, REQUEST_COUNTERS, counter, set_counters
     import jax.numpy as jnp
+
+    from hkv_jax.allocator.state import GROUP_COUNTERS, REQUEST_COUNTERS, counter, set_counters
 
     R = 5
     counts = jnp.arange(R * (3 + 4 * G), dtype=jnp.int32).reshape(R, -1)

@@ -7,8 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hkv_jax.allocator import block_pool
-from hkv_jax.allocator import free_queue, prefix_cache
+from hkv_jax.allocator import block_pool, free_queue, prefix_cache
 from hkv_jax.allocator.pymodel import PyAllocator
 from hkv_jax.planner import plan
 from hkv_jax.spec import FullAttentionSpec

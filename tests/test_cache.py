@@ -6,16 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import dense_attention
 
 from hkv_jax.attention import attention, make_metadata
-from hkv_jax.cache import (KVCache, init_cache, layer_kv, read_mamba_state, set_layer_kv,
-                           slot_mapping, write_mamba_state)
+from hkv_jax.cache import KVCache, init_cache, layer_kv, read_mamba_state, set_layer_kv, slot_mapping, write_mamba_state
 from hkv_jax.planner import KVCacheConfig, KVCacheGroup, plan
 from hkv_jax.spec import FullAttentionSpec, KVSharingSpec, MambaSpec, SlidingWindowSpec
 from kernels_pallas import reference
 from kernels_pallas.reference import AttentionParams
-
-from conftest import dense_attention
 
 BS = 4
 # Two groups of two layers; "s0"/"s1" (bf16, 1 kv head) fill half of the f32 page of "f0"/"f1".

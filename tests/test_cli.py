@@ -48,7 +48,10 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
         (["plan", "gemma-3-1b", "--polcy", "vllm"], "unrecognized arguments"),
         (["demo", "--requests", "0"], "--requests"),
         (["demo", "--model", "gemma-3-27b"], "unknown model"),
-        (["demo", "--num-blocks", "3", "--model", "tiny-gemma3"], "cannot hold one request of max_model_len 256 tokens"),
+        (
+            ["demo", "--num-blocks", "3", "--model", "tiny-gemma3"],
+            "cannot hold one request of max_model_len 256 tokens",
+        ),
         (["demo", "--num-blocks", "20", "--model", "tiny-gemma3"], "cannot hold one request"),
         (["demo", "--max-model-len", "0"], "--max-model-len must be positive"),
         (["demo", "--max-model-len", "64", "--model", "tiny-gemma3"], "exceeds max_model_len 64"),

@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import HYBRID_MODELS, semantic
 
 from hkv_jax.allocator import ops
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.planner import plan
-from conftest import HYBRID_MODELS, semantic
 
 B, BS, T = 6, 4, 64
 MODELS = HYBRID_MODELS
@@ -28,9 +28,14 @@ def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned, ear
     toks[:, :30] = rng.integers(1, 4, size=(B, 30))  # few distinct tokens: shared prefixes and cache hits
     toks[1] = toks[0]
     slots = jnp.arange(B, dtype=jnp.int32)
-    st = jax.jit(ops.add_batch, static_argnums=0)(layout, init_state(layout), slots, jnp.asarray(toks),
-                                                  jnp.asarray(np.full(B, 13) if aligned else rng.integers(5, 30, B), jnp.int32),
-                                                  jnp.zeros(B, jnp.uint32))
+    st = jax.jit(ops.add_batch, static_argnums=0)(
+        layout,
+        init_state(layout),
+        slots,
+        jnp.asarray(toks),
+        jnp.asarray(np.full(B, 13) if aligned else rng.integers(5, 30, B), jnp.int32),
+        jnp.zeros(B, jnp.uint32),
+    )
     sched = jax.jit(ops.schedule_batch, static_argnums=0)
     st, ok, _, _ = sched(layout, st, slots, jnp.full(B, -1, jnp.int32))
     running = np.flatnonzero(np.asarray(ok))

@@ -113,8 +113,17 @@ def test_mamba_state_blocks_hold_the_dense_states_and_serve_hits():
     request hits the cached state and its logits equal the dense model's. Each state spans 2 pages."""
     model = tiny("tiny-jamba")
     key = "tiny-jamba", True
-    eng = Engine(model, num_blocks=PARITY_BLOCKS[key], block_size=8, max_requests=4, max_model_len=MAX_LEN,
-                 token_budget=32, token_buckets=(32,), impl="reference", policy=POLICY[key])  # the parity test's compile
+    eng = Engine(
+        model,
+        num_blocks=PARITY_BLOCKS[key],
+        block_size=8,
+        max_requests=4,
+        max_model_len=MAX_LEN,
+        token_budget=32,
+        token_buckets=(32,),
+        impl="reference",
+        policy=POLICY[key],
+    )  # the parity test's compile
     bs = eng.layout.block_size
     k = {len(p) for p in eng.layout.parts if eng.layout.is_mamba(p[0])}
     assert k == {2}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import semantic
 from flax import nnx
 
-from conftest import semantic
 from hkv_jax.engine import Engine
 from hkv_jax.engine import decode_batch as decode_batch_module
 from hkv_jax.models.presets import resolve_model
@@ -63,7 +63,11 @@ def test_vectorised_step_equals_the_per_request_step(name, monkeypatch):
             got, want = fast.step(), exact.step()
             assert got == want, f"step {steps}"
             assert semantic(fast.state.alloc, fast.layout) == semantic(exact.state.alloc, exact.layout), f"step {steps}"
-            assert (fast.running, fast.waiting, fast.scheduler.to_free) == (exact.running, exact.waiting, exact.scheduler.to_free)
+            assert (fast.running, fast.waiting, fast.scheduler.to_free) == (
+                exact.running,
+                exact.waiting,
+                exact.scheduler.to_free,
+            )
             steps += 1
             if steps % 5 == 0:  # the tokens booked with arrays, pending until the requests are read
                 assert _progress(fast) == _progress(exact), f"step {steps}"
@@ -72,7 +76,9 @@ def test_vectorised_step_equals_the_per_request_step(name, monkeypatch):
                 assert fast.add_request(prompt, 4) == exact.add_request(prompt, 4)
         assert not exact.has_work
         preempted = fast.stats.preemptions
-    assert {rid: r.generated for rid, r in fast.requests.items()} == {rid: r.generated for rid, r in exact.requests.items()}
+    assert {rid: r.generated for rid, r in fast.requests.items()} == {
+        rid: r.generated for rid, r in exact.requests.items()
+    }
     assert steps > 30 and preempted > 0 and fast.stats.cache_hit_tokens > 0
     assert fast.stats.array_steps > 0 and exact.stats.array_steps == 0
     counters = ("steps", "tokens_computed", "prompt_tokens", "cache_hit_tokens", "generated", "preemptions")
@@ -149,7 +155,11 @@ def test_multi_step_decoding_equals_single_steps():
             assert list(zip(rids.tolist(), tokens.tolist())) == want, f"call {calls}"
             assert single.stats.steps == multi.stats.steps
             assert semantic(multi.state.alloc, multi.layout) == semantic(single.state.alloc, single.layout)
-            assert (multi.running, multi.waiting, multi.scheduler.to_free) == (single.running, single.waiting, single.scheduler.to_free)
+            assert (multi.running, multi.waiting, multi.scheduler.to_free) == (
+                single.running,
+                single.waiting,
+                single.scheduler.to_free,
+            )
             if calls % 5 == 4:  # tokens booked with arrays wait until the requests are read: read them now
                 assert _progress(multi) == _progress(single), f"call {calls}"
             calls += 1

@@ -55,7 +55,9 @@ def test_safetensors_checkpoint_loads_by_name_and_serves_like_its_uncached_forwa
     (tmp_path / "config.json").write_text(json.dumps(SMALL))
     model = load_gemma3(tmp_path, progress=False)
     attn = model.layers[2].self_attn
-    np.testing.assert_array_equal(np.asarray(attn.q_proj.kernel[...]), weights["model.layers.2.self_attn.q_proj.weight"].T)
+    np.testing.assert_array_equal(
+        np.asarray(attn.q_proj.kernel[...]), weights["model.layers.2.self_attn.q_proj.weight"].T
+    )
     np.testing.assert_array_equal(np.asarray(model.layers[3].post_feedforward_layernorm.weight[...]),
                                   weights["model.layers.3.post_feedforward_layernorm.weight"])
     assert attn.window == 12 and model.layers[3].self_attn.window is None

@@ -12,22 +12,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import dense_attention, first_visible
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels_pallas import blocked
+from kernels_pallas import blocked, reference
 from kernels_pallas import kv_write_portable as kv_write_pallas
-from kernels_pallas import paged_attention_portable as portable
 from kernels_pallas import paged_attention_mgpu as mgpu
+from kernels_pallas import paged_attention_portable as portable
 from kernels_pallas import paged_attention_tpu as tpu
-from kernels_pallas import reference
 from kernels_pallas.reference import AttentionParams
-
-from conftest import dense_attention, first_visible
 
 TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -95,7 +92,8 @@ def cases(draw, *, block_sizes=(8, 16, 32, 64), groups=(1, 2, 3, 4, 8), head_siz
     qsl = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)]]).astype(np.int32)
     padding = draw(st.integers(0, 3))
     q = rng.normal(size=(sum(q_lens) + padding, g * hkv, d)).astype(np.float32)
-    cast = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    def cast(x):
+        return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
     expected = np.zeros(q.shape, np.float32)
     for s, (length, q_len) in enumerate(zip(lens, q_lens)):
         rows = slice(qsl[s], qsl[s + 1])
@@ -157,7 +155,7 @@ def test_mosaic_gpu_refuses_shapes_it_cannot_take():
     with pytest.raises(ValueError, match="bf16/fp16"):
         mgpu.paged_attention(q, pages, jnp.zeros((1, 2), jnp.int32), jnp.array([0, 4]),
                              jnp.array([4]), AttentionParams())
-    assert mgpu.supported(jnp.bfloat16, (3, 2, 2, 8, 64), jnp.bfloat16, 8) is not None  # page 8
+    assert not mgpu.supports(jnp.bfloat16, (3, 2, 2, 8, 64), jnp.bfloat16, 8)  # page 8
 
 
 @settings(max_examples=10, **SETTINGS)
@@ -198,15 +196,15 @@ def test_dispatch_picks_by_platform_and_refuses_unknown_impls():
                                                                   (None, None, None, False)])
 def test_the_models_dense_attention_in_query_blocks_equals_the_oracle(monkeypatch, window, chunk, soft_cap,
                                                                        with_sinks):
-    """The models' uncached attention (``hkv_jax.models.tiny.dense_attention``, which prompt log-probabilities
+    """The models' uncached attention (``hkv_jax.models.layers.dense_attention``, which prompt log-probabilities
     run on) over a sequence of several query blocks (4 blocks of 64 rows here) against the numpy oracle."""
-    from hkv_jax.models import tiny
+    from hkv_jax.models import layers
 
-    monkeypatch.setattr(tiny, "DENSE_QUERY_BLOCK", 64)
+    monkeypatch.setattr(layers, "DENSE_QUERY_BLOCK", 64)
     rng = np.random.default_rng(3)
     q, k, v = (rng.normal(size=(256, h, 32)).astype(np.float32) for h in (4, 2, 2))
     sinks = rng.normal(size=4).astype(np.float32) if with_sinks else None
-    got = tiny.dense_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), window=window, chunk=chunk,
-                               soft_cap=soft_cap, sinks=None if sinks is None else jnp.asarray(sinks))
+    got = layers.dense_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), window=window, chunk=chunk,
+                                 soft_cap=soft_cap, sinks=None if sinks is None else jnp.asarray(sinks))
     params = AttentionParams(sliding_window=window, chunk_size=chunk, soft_cap=soft_cap)
     np.testing.assert_allclose(np.asarray(got), dense_attention(q, k, v, params, sinks), atol=2e-5, rtol=0)

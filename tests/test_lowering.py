@@ -5,7 +5,7 @@ engine step.
 Lowering for CUDA runs Pallas' Triton and Mosaic GPU pipelines up to the kernels' MLIR, layout inference
 and shared-memory accounting included (where the Mosaic kernel failed at 16/32-token pages); it does not
 run ptxas. Lowering for TPU emits the Mosaic TPU module; Mosaic's own compile runs only on a TPU host.
-``supported`` must be honest: every shape it takes lowers.
+``supports`` must be honest: every shape it takes lowers.
 """
 
 from __future__ import annotations
@@ -84,14 +84,14 @@ def test_every_planned_shape_lowers_with_the_kernel_auto_picks_on_hopper(shape):
     assert chosen == ("triton" if 64 % (hq // hkv) else "mosaic_gpu"), SHAPES[shape]
     params = AttentionParams(sliding_window=128, soft_cap=30.0)
     for impl in ("mosaic_gpu", "triton"):
-        why = (paged_attention_mgpu.supported(pages.dtype, pages.shape, pages.dtype, hq, MAX_BLOCKS)
-               if impl == "mosaic_gpu" else paged_attention_portable.supported(pages.shape, hq))
-        if why is None:
-            attend = lambda q, p, bt, qsl, lens, sk: kernels_pallas.paged_attention(q, p, bt, qsl, lens, params, sk,
-                                                                                   impl=impl)
+        if (paged_attention_mgpu.supports(pages.dtype, pages.shape, pages.dtype, hq, MAX_BLOCKS)
+                if impl == "mosaic_gpu" else paged_attention_portable.supports(pages.shape, hq)):
+            def attend(q, p, bt, qsl, lens, sk):
+                return kernels_pallas.paged_attention(q, p, bt, qsl, lens, params, sk,
+                                                                                               impl=impl)
             text = lower_for(H200, attend, q, pages, *rest, sinks)
             assert "mosaic_gpu" in text or "triton" in text
-    assert kv_write_portable.supported(pages.shape) is None
+    assert kv_write_portable.supports(pages.shape)
     k = sd((T, hkv, d), jnp.bfloat16)
     text = lower_for(H200, lambda p, k, s: kernels_pallas.kv_write(p, k, k, s, impl="triton"), pages, k,
                           sd((T,), jnp.int32))
@@ -103,29 +103,30 @@ def test_every_planned_shape_lowers_for_tpu_where_the_tpu_kernel_takes_it(shape)
     hq, hkv, d, bs = shape
     q, pages = sd((T, hq, d), jnp.bfloat16), sd((N, 2, hkv, bs, d), jnp.bfloat16)
     rest = (sd((S, MAX_BLOCKS), jnp.int32), sd((S + 1,), jnp.int32), sd((S,), jnp.int32))
-    why = paged_attention_tpu.supported(pages.shape, pages.dtype, hq)
+    why = paged_attention_tpu.supports(pages.shape, pages.dtype, hq).reason
     with use_abstract_mesh(TPU):
         chosen = kernels_pallas.choose("auto", pages.shape, pages.dtype, hq, MAX_BLOCKS)
     assert chosen == ("blocked" if why else "tpu"), (why, SHAPES[shape])
     assert (why is None) == (d % 128 == 0)  # every planned block size is a multiple of 16
     params = AttentionParams(chunk_size=8192, soft_cap=30.0)
-    attend = lambda q, p, bt, qsl, lens, sk: kernels_pallas.paged_attention(q, p, bt, qsl, lens, params, sk)
+    def attend(q, p, bt, qsl, lens, sk):
+        return kernels_pallas.paged_attention(q, p, bt, qsl, lens, params, sk)
     text = lower_for(TPU, attend, q, pages, *rest, sd((hq,), jnp.float32))
     assert ("tpu_custom_call" in text) == (why is None)
 
 
 def test_supported_names_what_the_kernels_cannot_take():
-    assert "head_size 96" in paged_attention_portable.supported((N, 2, 4, 16, 96), 8)
-    assert "head_size 96" in kv_write_portable.supported((N, 2, 4, 16, 96))
-    assert "shared memory" in paged_attention_mgpu.supported(jnp.bfloat16, (N, 2, 1, 16, 512), jnp.bfloat16, 4)
-    assert "block_size 24" in paged_attention_mgpu.supported(jnp.bfloat16, (N, 2, 1, 24, 128), jnp.bfloat16, 4)
+    assert "head_size 96" in paged_attention_portable.supports((N, 2, 4, 16, 96), 8)
+    assert "head_size 96" in kv_write_portable.supports((N, 2, 4, 16, 96))
+    assert "shared memory" in paged_attention_mgpu.supports(jnp.bfloat16, (N, 2, 1, 16, 512), jnp.bfloat16, 4)
+    assert "block_size 24" in paged_attention_mgpu.supports(jnp.bfloat16, (N, 2, 1, 24, 128), jnp.bfloat16, 4)
     # auto falls through to the kernel that takes the shape: head size 96 -> blocked (pure jnp).
     with use_abstract_mesh(H200):
         assert kernels_pallas.choose("auto", (N, 2, 4, 16, 96), jnp.bfloat16, 8) == "blocked"
         assert kernels_pallas.choose("auto", (N, 2, 1, 24, 128), jnp.bfloat16, 4) == "triton"
-    assert "head_size 64" in paged_attention_tpu.supported((N, 2, 4, 16, 64), jnp.bfloat16, 8)
-    assert "block_size 8" in paged_attention_tpu.supported((N, 2, 4, 8, 128), jnp.bfloat16, 8)
-    assert paged_attention_tpu.supported((N, 2, 4, 8, 128), jnp.float32, 8) is None
+    assert "head_size 64" in paged_attention_tpu.supports((N, 2, 4, 16, 64), jnp.bfloat16, 8)
+    assert "block_size 8" in paged_attention_tpu.supports((N, 2, 4, 8, 128), jnp.bfloat16, 8)
+    assert paged_attention_tpu.supports((N, 2, 4, 8, 128), jnp.float32, 8)
     with pytest.raises(ValueError, match="head_size 96"):
         paged_attention_portable.paged_attention(
             jnp.zeros((2, 8, 96)), jnp.zeros((3, 2, 4, 16, 96)), jnp.zeros((1, 2), jnp.int32),
@@ -156,7 +157,8 @@ def test_the_engine_step_lowers_with_the_accelerator_kernels(mesh, kernels):
     eng = Engine(model, num_blocks=37, block_size=16, max_requests=4, max_model_len=64, token_budget=16,
                  token_buckets=(16,), impl="auto")
     plan_ = StepPlan.pack(np.full(4, -1), np.zeros(4))
-    abstract = lambda tree: jax.tree.map(lambda x: sd(jnp.shape(x), jnp.result_type(x)), tree)
+    def abstract(tree):
+        return jax.tree.map(lambda x: sd(jnp.shape(x), jnp.result_type(x)), tree)
     text = lower_for(mesh, functools.partial(step, eng.statics[0]), abstract(eng.params), abstract(eng.state),
                      abstract(plan_))
     assert all(k in text for k in kernels), kernels

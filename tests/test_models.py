@@ -63,8 +63,14 @@ def test_dtype_override_and_float32_served_as_bfloat16():
     [
         ({}, "num_hidden_layers"),
         ({"num_hidden_layers": 2, "layer_types": ["full_attention"]}, "2 layers"),
-        ({"num_hidden_layers": 1, "layer_types": ["weird"], "num_attention_heads": 1, "hidden_size": 8}, "unknown layer type"),
-        ({"num_hidden_layers": 2, "layer_types": ["mamba", "attention"], "num_attention_heads": 2, "hidden_size": 8}, "state fields"),
+        (
+            {"num_hidden_layers": 1, "layer_types": ["weird"], "num_attention_heads": 1, "hidden_size": 8},
+            "unknown layer type",
+        ),
+        (
+            {"num_hidden_layers": 2, "layer_types": ["mamba", "attention"], "num_attention_heads": 2, "hidden_size": 8},
+            "state fields",
+        ),
         ([1, 2], "JSON object"),
     ],
 )

@@ -4,13 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import HYBRID_MODELS, semantic
 
 from hkv_jax.allocator import ops
-from hkv_jax.allocator.prefill import SORTED_HIT_LENGTHS, computes_shared_block
 from hkv_jax.allocator.hashing import np_block_hashes
+from hkv_jax.allocator.prefill import SORTED_HIT_LENGTHS, computes_shared_block
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.planner import plan
-from conftest import HYBRID_MODELS, semantic
 
 B, BS, T = 4, 4, 64
 add = jax.jit(ops.add_batch, static_argnums=0)

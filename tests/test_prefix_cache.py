@@ -122,13 +122,17 @@ def test_batched_inserts_and_evictions_equal_one_by_one(batches, slots, rnd, cla
             a = evict_many(a, blocks)
             cached -= {x[0] for x in clean}
         b = _apply_one_by_one(b, clean, kind)
-        assert np.asarray(lookup(a, all_keys, all_groups)).tolist() == np.asarray(lookup(b, all_keys, all_groups)).tolist()
+        assert (
+            np.asarray(lookup(a, all_keys, all_groups)).tolist() == np.asarray(lookup(b, all_keys, all_groups)).tolist()
+        )
         assert np.asarray(prefix_cache.is_cached(a)).tolist() == np.asarray(prefix_cache.is_cached(b)).tolist()
     order = sorted(cached)
     rnd.shuffle(order)
     for blk in order:
         a, b = evict(a, jnp.int32(blk)), evict(b, jnp.int32(blk))
-        assert np.asarray(lookup(a, all_keys, all_groups)).tolist() == np.asarray(lookup(b, all_keys, all_groups)).tolist()
+        assert (
+            np.asarray(lookup(a, all_keys, all_groups)).tolist() == np.asarray(lookup(b, all_keys, all_groups)).tolist()
+        )
 
 
 def test_a_large_batch_insert_equals_one_by_one_inserts():
@@ -145,9 +149,13 @@ def test_a_large_batch_insert_equals_one_by_one_inserts():
     early = jnp.asarray(ids[k:k + 300], jnp.int32)  # cached before the batch, under keys of the batch
 
     def one_by_one(cache, blocks, keys, groups):
-        return jax.lax.fori_loop(0, blocks.shape[0], lambda i, c: prefix_cache.insert(c, blocks[i], keys[i], groups[i]), cache)
+        return jax.lax.fori_loop(
+            0, blocks.shape[0], lambda i, c: prefix_cache.insert(c, blocks[i], keys[i], groups[i]), cache
+        )
 
-    start = jax.jit(one_by_one)(prefix_cache.init_prefix_cache(num_blocks, num_groups=2), early, keys[:300], groups[:300])
+    start = jax.jit(one_by_one)(
+        prefix_cache.init_prefix_cache(num_blocks, num_groups=2), early, keys[:300], groups[:300]
+    )
     a = insert_many(start, blocks, keys, groups, claims="table")
     b = jax.jit(one_by_one)(start, blocks, keys, groups)
     gone = jnp.asarray(rng.permutation(np.concatenate([ids[:k], ids[k:k + 300]]))[: k // 2], jnp.int32)
@@ -226,5 +234,7 @@ def test_insertion_clock_is_renumbered_before_int32_ends():
     assert third_after(cache) != 2  # without renumbering: the wrapped clock makes a newer block "oldest"
     st = jax.jit(ops.new_step, static_argnums=0)(layout, replace(init_state(layout), block_pool=replace(
         init_state(layout).block_pool, prefix_cache=cache)))
-    assert int(st.block_pool.prefix_cache.clock) == 2 and np.asarray(st.block_pool.prefix_cache.cached_at)[[1, 2]].tolist() == [0, 1]
+    assert int(st.block_pool.prefix_cache.clock) == 2 and np.asarray(st.block_pool.prefix_cache.cached_at)[
+        [1, 2]
+    ].tolist() == [0, 1]
     assert third_after(st.block_pool.prefix_cache) == 2

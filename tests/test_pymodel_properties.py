@@ -7,18 +7,17 @@ the pool invariants of SEMANTICS.md must hold. Set HKV_HYPOTHESIS_PROFILE=nightl
 import copy
 import os
 
+import jax
+from conftest import HYBRID_MODELS
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import jax
-
-from hkv_jax.allocator.kv_cache_manager import KVCacheManager
 from hkv_jax.allocator.free_queue import queue_order
+from hkv_jax.allocator.kv_cache_manager import KVCacheManager
 from hkv_jax.allocator.pymodel import NULL, RUNNING, WAITING, PyAllocator
 from hkv_jax.planner import plan
 from hkv_jax.spec import FullAttentionSpec, MambaSpec
-from conftest import HYBRID_MODELS
 
 settings.register_profile("ci", max_examples=300, stateful_step_count=20, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -81,7 +80,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.alloc.free(rid)
         self.jax.free(rid)
 
-    @precondition(lambda self: self.alloc is not None and any(r.status == RUNNING for r in self.alloc.requests.values()))
+    @precondition(
+        lambda self: self.alloc is not None and any(r.status == RUNNING for r in self.alloc.requests.values())
+    )
     @rule(data=st.data())
     def preempt(self, data):
         running = sorted(k for k, r in self.alloc.requests.items() if r.status == RUNNING)
@@ -110,7 +111,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.jax.num_free_blocks == a.num_free_blocks
         # Host copies of the fields checked (indexing numpy arrays dispatches no jax operation).
         pool, block_slot, tables, lens, computed, ntok = jax.device_get(
-            (st.block_pool.free_queue, st.block_pool.prefix_cache.block_slot, st.tables, st.table_len, st.num_computed, st.num_tokens))
+            (
+                st.block_pool.free_queue,
+                st.block_pool.prefix_cache.block_slot,
+                st.tables,
+                st.table_len,
+                st.num_computed,
+                st.num_tokens,
+            )
+        )
         assert queue_order(pool) == a.free_queue
         assert pool.ref_count.tolist() == a.ref
         assert (block_slot >= 0).tolist() == [h is not None for h in a.hash]

@@ -419,3 +419,53 @@ def test_the_warm_up_compiles_every_admission_and_scoring_size_and_changes_nothi
         assert len(scored) == length and all(len(likeliest) == top for _, likeliest in scored[1:])
     assert runner_module.PROMPT_LOGPROBS._cache_size() - compiled == 1
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, engine.state.alloc))
+
+
+def test_the_official_openai_client_completes_chats_and_streams(server):
+    """OpenAI's own Python client against the server: completions, chat completions and a stream, each
+    equal to what the engine generates on its own for the same prompt."""
+    openai = pytest.importorskip("openai", reason="the openai client is in the test extra")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    want, _, _ = engine_answer(PROMPTS[0], 10, temperature=0.0)
+    got = client.completions.create(model="tiny-gptoss", prompt=PROMPTS[0], max_tokens=10, temperature=0)
+    assert got.choices[0].text == want and got.usage.completion_tokens == 10
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny-gptoss", prompt=PROMPTS[0], max_tokens=10, temperature=0, stream=True) if c.choices)
+    assert streamed == want
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat_want, _, _ = engine_answer(gemma_chat(messages), 8, temperature=0.0)
+    chat = client.chat.completions.create(model="tiny-gptoss", messages=messages, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == chat_want and chat.choices[0].message.role == "assistant"
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny-gptoss", messages=messages, max_tokens=8, temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == chat_want
+    with pytest.raises(openai.BadRequestError, match="temperature must be"):
+        client.completions.create(model="tiny-gptoss", prompt="x", max_tokens=2, temperature=-1)
+
+
+def test_a_models_own_chat_template_renders_the_prompt_as_transformers_would():
+    """A codec with a jinja2 chat template: the prompt is the template's text (its BOS written by the
+    template, special tokens whole); a template that raises gives a 400-style error; without one, Gemma's
+    turn format."""
+    from types import SimpleNamespace
+
+    from hkv_jax.serve import BadRequest, ChatTemplate
+
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+                "{{ raise_exception('no assistant turns here') }}{% endif %}"
+                "<|{{ m['role'] }}|>\n{{ m['content'] | trim }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|model|>\n{% endif %}")
+    seen = []
+    tokenizer = SimpleNamespace(id_to_token=lambda i: {1: "<s>", 2: "</s>"}[i])
+    codec = SimpleNamespace(tokenizer=tokenizer, bos_id=1, eos_ids=(2,), chat_template=template,
+                            encode=lambda text, bos=True: seen.append((text, bos)) or [len(text)])
+    chat = ChatTemplate(codec)
+    assert chat.encode([{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi"}]) == [37]
+    assert seen[-1] == ("<s><|system|>\nBe brief.\n<|user|>\nHi\n<|model|>\n", False)
+    with pytest.raises(BadRequest, match="no assistant turns here"):
+        chat.encode([{"role": "assistant", "content": "x"}])
+    with pytest.raises(BadRequest, match="each message needs a role"):
+        chat.encode([{"role": "robot", "content": "x"}])
+    plain = ChatTemplate(ByteCodec())
+    messages = [{"role": "user", "content": "Hi"}]
+    assert plain.encode(messages) == CODEC.encode(gemma_chat(messages))

@@ -13,8 +13,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 import sharded_serve
+
 from hkv_jax.cache import CacheLayout, init_cache, layer_kv, set_layer_kv
 from hkv_jax.cli import main as cli
 from hkv_jax.planner import plan
@@ -64,12 +64,12 @@ def test_tensors_holding_an_unsplittable_layer_stay_whole(layers):
 
 def test_int8_scales_split_with_their_columns():
     from flax import nnx
+    from test_gemma3 import SMALL, _small_checkpoint
 
     from hkv_jax.models.gemma3 import Gemma3Config
     from hkv_jax.models.quant import quantize_model
     from hkv_jax.models.weights import build_gemma3
     from hkv_jax.sharding import _path_names, param_spec
-    from test_gemma3 import SMALL, _small_checkpoint
 
     cfg = Gemma3Config.from_hf(SMALL)  # 4 query heads, 2 KV heads, intermediate size 48
     model = quantize_model(build_gemma3(cfg, _small_checkpoint(np.random.default_rng(0))), "int8")

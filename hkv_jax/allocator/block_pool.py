@@ -1,4 +1,5 @@
-"""vLLM's block pool in jnp: the free queue with its ref counts (``free_queue``) and the prefix cache (``prefix_cache``).
+"""vLLM's block pool in jnp: the free queue with its ref counts (``free_queue``) and the prefix cache
+(``prefix_cache``).
 
 Taking a block from the free queue evicts its cache entry (lazy eviction);
 freeing sends cached blocks to the back of the queue and uncached ones to the
@@ -12,14 +13,13 @@ from dataclasses import dataclass, replace
 import jax
 import jax.numpy as jnp
 
-from hkv_jax.allocator import free_queue
-from hkv_jax.allocator import prefix_cache
+from hkv_jax.allocator import free_queue, prefix_cache
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class BlockPool:
-    """Free queue + prefix cache of one block pool (see ``free_queue.FreeBlockQueue`` and ``prefix_cache.PrefixCache``)."""
+    """Free queue + prefix cache of one block pool (``free_queue.FreeBlockQueue``, ``prefix_cache.PrefixCache``)."""
 
     free_queue: free_queue.FreeBlockQueue
     prefix_cache: prefix_cache.PrefixCache
@@ -27,13 +27,18 @@ class BlockPool:
 
 def init_block_pool(num_blocks: int, num_groups: int = 1) -> BlockPool:
     """All blocks but the null block free, nothing cached (``num_groups`` KV cache groups)."""
-    return BlockPool(free_queue=free_queue.init_free_queue(num_blocks), prefix_cache=prefix_cache.init_prefix_cache(num_blocks, num_groups=num_groups))
+    return BlockPool(
+        free_queue=free_queue.init_free_queue(num_blocks),
+        prefix_cache=prefix_cache.init_prefix_cache(num_blocks, num_groups=num_groups),
+    )
 
 
 def get_new_blocks(state: BlockPool, count: jax.Array, max_count: int) -> tuple[BlockPool, jax.Array]:
     """Pop ``count`` blocks (``<= max_count``, static) from the queue head, evicting their cache entries."""
     pool, ids = free_queue.pop_free(state.free_queue, count, max_count)
-    cache = jax.lax.fori_loop(0, jnp.minimum(count, max_count), lambda i, c: prefix_cache.evict(c, ids[i]), state.prefix_cache)
+    cache = jax.lax.fori_loop(
+        0, jnp.minimum(count, max_count), lambda i, c: prefix_cache.evict(c, ids[i]), state.prefix_cache
+    )
     return BlockPool(free_queue=pool, prefix_cache=cache), ids
 
 
@@ -56,7 +61,9 @@ def to_back(cache: prefix_cache.PrefixCache, blocks: jax.Array, early: jax.Array
 
 def touch(state: BlockPool, blocks: jax.Array) -> BlockPool:
     """A prefix hit: one more reference to each non-null id; free ones leave the queue."""
-    return BlockPool(free_queue=free_queue.touch(state.free_queue, blocks), prefix_cache=mark_hit(state.prefix_cache, blocks))
+    return BlockPool(
+        free_queue=free_queue.touch(state.free_queue, blocks), prefix_cache=mark_hit(state.prefix_cache, blocks)
+    )
 
 
 def mark_hit(cache: prefix_cache.PrefixCache, blocks: jax.Array) -> prefix_cache.PrefixCache:

@@ -18,8 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hkv_jax.allocator import block_pool
-from hkv_jax.allocator import prefix_cache
+from hkv_jax.allocator import block_pool, prefix_cache
 from hkv_jax.allocator.managers import allocation, hit_blocks, release_row, skipped_tokens
 from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout
 from hkv_jax.planner import cdiv
@@ -39,7 +38,9 @@ def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: ja
     nh = state.num_tokens[slot] // bs
     valid = jnp.arange(H) < nh
     if key_slots is None:  # one probe per hash: its slot holds every group's entry
-        key_slots = prefix_cache.row_entries(state.block_pool.prefix_cache, prefix_cache.find_slots(state.block_pool.prefix_cache, hashes)).T
+        key_slots = prefix_cache.row_entries(
+            state.block_pool.prefix_cache, prefix_cache.find_slots(state.block_pool.prefix_cache, hashes)
+        ).T
     found = prefix_cache.block_at(state.block_pool.prefix_cache, key_slots)
     found = jnp.where(valid[None, :], found, 0)
     sgs = [(layout.groups[sg[0]].spec, list(sg)) for sg in layout.spec_groups]
@@ -115,7 +116,9 @@ def _remove_skipped(layout: Layout, state: AllocatorState, slot, g: int, compute
     """Release the blocks group ``g`` no longer needs after ``computed`` tokens (replaced by the null block)."""
     row, retired, released = release_row(layout, g, state.tables[slot, g], state.table_len[slot, g],
                                          state.retired[slot, g], state.last_state[slot, g], computed)
-    bp = block_pool.free_blocks(block_pool.free_blocks(state.block_pool, released[0], front=layout.evicts_early(g)), released[1])
+    bp = block_pool.free_blocks(
+        block_pool.free_blocks(state.block_pool, released[0], front=layout.evicts_early(g)), released[1]
+    )
     return _set_row(replace(state, block_pool=bp), slot, g, row, retired=retired)
 
 

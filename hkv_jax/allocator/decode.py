@@ -10,12 +10,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hkv_jax.allocator import block_pool
-from hkv_jax.allocator import free_queue, prefix_cache
+from hkv_jax.allocator import block_pool, free_queue, prefix_cache
 from hkv_jax.allocator.coordinator import schedule_batch
 from hkv_jax.allocator.managers import allocation, release_row, skipped_tokens
-from hkv_jax.allocator.state import (RUNNING, AllocatorState, Layout, cond_mutable, counter, set_counters,
-                                     switch_mutable)
+from hkv_jax.allocator.state import RUNNING, AllocatorState, Layout, cond_mutable, counter, set_counters, switch_mutable
 from hkv_jax.spec import FullAttentionSpec
 
 
@@ -209,7 +207,9 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
                                      1).reshape(-1)
         return {g: o[0] for g, o in out.items()}, wide, jnp.broadcast_to(wide_early[:, None], wide.shape)
 
-    def busy_plan(state: AllocatorState, releases: free_queue.Release, pop: free_queue.PopPlan, keys) -> tuple[_DecodePlan, jax.Array]:
+    def busy_plan(
+        state: AllocatorState, releases: free_queue.Release, pop: free_queue.PopPlan, keys
+    ) -> tuple[_DecodePlan, jax.Array]:
         """The busy step's plan (``branch`` left 0) with the free calls ``releases`` made first, request by
         request: each request's new blocks come from the blocks it and earlier requests freed to the
         front, then from ``pop`` (the queue as it was: ``pops_after_releases``). Also whether evicting the
@@ -239,7 +239,11 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
         # Free calls releasing several blocks (the first step after a long prefill) are planned in their
         # own branch, which applies them only where they fit (else nothing: ``DecodePath.FALLBACK``).
         many = vectorisable & ~single & bool(release_groups)
-        return plan._replace(branch=jnp.where(fast, DecodePath.VECTORISED, jnp.where(many, DecodePath.MANY_RELEASES, DecodePath.FALLBACK)).astype(jnp.int32))
+        return plan._replace(
+            branch=jnp.where(
+                fast, DecodePath.VECTORISED, jnp.where(many, DecodePath.MANY_RELEASES, DecodePath.FALLBACK)
+            ).astype(jnp.int32)
+        )
 
     mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
 
@@ -252,8 +256,12 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
     def vectorised(state: AllocatorState, plan: _DecodePlan, rows_after: dict | None):
         # The pops from the queue as it was first (the releases' front blocks go before the new head),
         # then the releases; every new block held once.
-        p = free_queue.apply_free(free_queue.pop_apply(state.block_pool.free_queue, free_queue.pop_prefix(plan.pop, plan.old_count), hold=False),
-                         plan.releases)
+        p = free_queue.apply_free(
+            free_queue.pop_apply(
+                state.block_pool.free_queue, free_queue.pop_prefix(plan.pop, plan.old_count), hold=False
+            ),
+            plan.releases,
+        )
         taken = plan.new_block.reshape(-1)
         p = replace(p, ref_count=p.ref_count.at[jnp.where(taken > 0, taken, p.num_blocks)].set(1, mode="drop"))
         c = prefix_cache.evict_alone(state.block_pool.prefix_cache, taken)

@@ -170,7 +170,9 @@ def pop_prefix(plan: PopPlan, count: jax.Array) -> PopPlan:
                    plan.take & (running_count(plan.take) <= count), plan.entries, plan.enough)
 
 
-def pop_free(pool: FreeBlockQueue, count: jax.Array, max_count: int, slack: int = HOLE_SLACK) -> tuple[FreeBlockQueue, jax.Array]:
+def pop_free(
+    pool: FreeBlockQueue, count: jax.Array, max_count: int, slack: int = HOLE_SLACK
+) -> tuple[FreeBlockQueue, jax.Array]:
     """Take ``count`` (<= ``max_count``, static) blocks from the head of the queue.
 
     ``slack`` (static): holes the head window tolerates before the queue is compacted.

@@ -108,7 +108,9 @@ def block_hashes(tokens: jax.Array, block_size: int, first_extra: jax.Array, ext
     return out
 
 
-def hash_one_block(parent: jax.Array, blk: jax.Array, first_extra: jax.Array, is_first: jax.Array, extra: jax.Array) -> jax.Array:
+def hash_one_block(
+    parent: jax.Array, blk: jax.Array, first_extra: jax.Array, is_first: jax.Array, extra: jax.Array
+) -> jax.Array:
     """Hash ``u32[4]`` of one block of tokens ``blk`` after ``parent`` (``block_hashes``' step)."""
     return _hash_block_masked(parent, blk.astype(jnp.uint32), first_extra.astype(jnp.uint32), is_first,
                               extra.astype(jnp.uint32))

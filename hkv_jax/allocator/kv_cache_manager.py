@@ -129,7 +129,9 @@ class KVCacheManager:
         view = jax.device_get(_request_view(self.state, slot))
         tables, lens = view["tables"], view["table_len"]
         parts = self.layout.parts
-        res["new_block_ids"] = merge_parts(parts, [list(map(int, t[f:n])) for t, f, n in zip(tables, r.first_new, lens)])
+        res["new_block_ids"] = merge_parts(
+            parts, [list(map(int, t[f:n])) for t, f, n in zip(tables, r.first_new, lens)]
+        )
         res["num_computed_tokens"] = int(view["num_computed"])
         res["block_table"] = merge_parts(parts, [list(map(int, t[:n])) for t, n in zip(tables, lens)])
         if res["num_computed_tokens"] >= int(view["num_tokens"]) and output_token is not None:

@@ -13,9 +13,38 @@ One namespace over vLLM's layering (each layer a module of its own):
 from hkv_jax.allocator.coordinator import ScheduleResult, lookup, schedule, schedule_batch
 from hkv_jax.allocator.decode import count_if_idle, decode_step, idle_decode
 from hkv_jax.allocator.prefill import prefill_batch
-from hkv_jax.allocator.requests import (add_batch, add_request, admit_batch, append_batch, append_token, fork, free,
-                                        new_step, preempt, release_batch, reset_prefix_cache)
+from hkv_jax.allocator.requests import (
+                                        add_batch,
+                                        add_request,
+                                        admit_batch,
+                                        append_batch,
+                                        append_token,
+                                        fork,
+                                        free,
+                                        new_step,
+                                        preempt,
+                                        release_batch,
+                                        reset_prefix_cache,
+)
 
-__all__ = ["ScheduleResult", "add_batch", "add_request", "admit_batch", "append_batch", "append_token",
-           "count_if_idle", "decode_step", "fork", "free", "idle_decode", "lookup", "new_step", "preempt", "prefill_batch",
-           "release_batch", "reset_prefix_cache", "schedule", "schedule_batch"]
+__all__ = [
+    "ScheduleResult",
+    "add_batch",
+    "add_request",
+    "admit_batch",
+    "append_batch",
+    "append_token",
+    "count_if_idle",
+    "decode_step",
+    "fork",
+    "free",
+    "idle_decode",
+    "lookup",
+    "new_step",
+    "preempt",
+    "prefill_batch",
+    "release_batch",
+    "reset_prefix_cache",
+    "schedule",
+    "schedule_batch",
+]

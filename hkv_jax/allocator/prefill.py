@@ -7,8 +7,7 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 
-from hkv_jax.allocator import block_pool
-from hkv_jax.allocator import free_queue, prefix_cache
+from hkv_jax.allocator import block_pool, free_queue, prefix_cache
 from hkv_jax.allocator.coordinator import cached_this_step, lookup, schedule_batch, token_counts
 from hkv_jax.allocator.managers import allocation, skipped_tokens
 from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout, cond_mutable, counter
@@ -80,8 +79,10 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     hashes = state.hashes[slots]                                              # [B, H, 4]
     # Every block hash is looked up once (one slot holds every group's entry): the hit search and the
     # cache insert share it. Entries past the H hashed ones are never cached (full blocks number <= H).
-    hash_slots = prefix_cache.find_slots(state.block_pool.prefix_cache, hashes)                     # [B, H]
-    key_slots = jnp.swapaxes(prefix_cache.row_entries(state.block_pool.prefix_cache, hash_slots), 1, 2)  # [B, G, H] entry ids
+    hash_slots = prefix_cache.find_slots(state.block_pool.prefix_cache, hashes)  # [B, H]
+    key_slots = jnp.swapaxes(
+        prefix_cache.row_entries(state.block_pool.prefix_cache, hash_slots), 1, 2
+    )  # [B, G, H] entry ids
     hit_blocks, h, _ = jax.vmap(lambda s, f: lookup(layout, state, s, f))(slots, key_slots)  # [B, G, H]
     h = jnp.where(mask, h, 0)
     hits = jnp.pad(hit_blocks, ((0, 0), (0, 0), (0, M - H)))               # [B, G, M]
@@ -113,9 +114,15 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     max_new = B * G * M
     pop = free_queue.pop_plan(pool, total, max_new)
     fast = (
-        jnp.all((counter(counts, "status") == WAITING) | ~mask) & jnp.all((counter(counts, "table_len") == 0) | ~mask[:, None])
-        & jnp.all((n > 0) | ~mask) & jnp.all(held | (rows == 0)) & ~computes_shared_block(hashes, nhit, nfull)
-        & ~jnp.any(stale) & (total <= pool.num_free) & pop.enough & ~jnp.any(prefix_cache.needs_promotion(cache, pop.ids))
+        jnp.all((counter(counts, "status") == WAITING) | ~mask)
+        & jnp.all((counter(counts, "table_len") == 0) | ~mask[:, None])
+        & jnp.all((n > 0) | ~mask)
+        & jnp.all(held | (rows == 0))
+        & ~computes_shared_block(hashes, nhit, nfull)
+        & ~jnp.any(stale)
+        & (total <= pool.num_free)
+        & pop.enough
+        & ~jnp.any(prefix_cache.needs_promotion(cache, pop.ids))
     )
     # New blocks in request, group, table order: entry j of (b, g) takes ids[offset + j - first].
     offset = (jnp.cumsum(cnt.reshape(-1)) - cnt.reshape(-1)).reshape(B, G)

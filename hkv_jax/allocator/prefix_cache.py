@@ -104,7 +104,9 @@ def _probe(cache: PrefixCache, key: jax.Array) -> tuple[jax.Array, jax.Array]:
         free = jnp.where((free < 0) & (cache.used[slot] == TOMBSTONE), slot, free)
         return i + 1, (slot + 1) & mask, found, free
 
-    i, slot, found, free = jax.lax.while_loop(cond, body, (jnp.int32(0), _home(cache, key), jnp.int32(-1), jnp.int32(-1)))
+    i, slot, found, free = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), _home(cache, key), jnp.int32(-1), jnp.int32(-1))
+    )
     free = jnp.where((free < 0) & (i < size) & (found < 0), slot, free)
     return found, free
 
@@ -266,7 +268,8 @@ def evict_many(cache: PrefixCache, blocks: jax.Array) -> PrefixCache:
 
 def insert_many(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, groups: jax.Array,
                 claims: str = "auto") -> PrefixCache:
-    """``insert`` each non-null ``blocks[i]`` (not cached now; ids distinct) under (``keys[i]``, ``groups[i]``), in order.
+    """``insert`` each non-null ``blocks[i]`` (not cached now; ids distinct) under (``keys[i]``, ``groups[i]``),
+    in order.
 
     ``blocks: i32[K]``, ``keys: u32[K, 4]``, ``groups: i32[K]``: ``insert_rows`` with one block per row.
     """
@@ -358,6 +361,7 @@ def insert_rows(cache: PrefixCache, blocks: jax.Array, keys: jax.Array, claims: 
     caps = [K]
     while by_table and caps[-1] // 8 >= 64:
         caps.append(caps[-1] // 8)
+    slot_of = won = None  # level 0 sets them whole; later levels update their lanes
     for level, cap in enumerate(caps):
         nxt = caps[level + 1] if level + 1 < len(caps) else 0
         lane_keys = keys if level == 0 else keys[jnp.minimum(lane, K - 1)]

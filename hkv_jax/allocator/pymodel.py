@@ -85,7 +85,9 @@ class PyAllocator:
                     break
             else:
                 spec_groups.append([g.group_id])
-        self.spec_groups = sorted(spec_groups, key=lambda sg: not isinstance(self.groups[sg[0]].spec, FullAttentionSpec))
+        self.spec_groups = sorted(
+            spec_groups, key=lambda sg: not isinstance(self.groups[sg[0]].spec, FullAttentionSpec)
+        )
 
     # ---- block pool -------------------------------------------------------------------------
     @property

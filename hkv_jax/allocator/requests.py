@@ -15,9 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hkv_jax.allocator import block_pool
-from hkv_jax.allocator import free_queue
-from hkv_jax.allocator import prefix_cache
+from hkv_jax.allocator import block_pool, free_queue, prefix_cache
 from hkv_jax.allocator.hashing import SEED, block_hashes, hash_one_block
 from hkv_jax.allocator.managers import eviction_order
 from hkv_jax.allocator.state import EMPTY, RUNNING, WAITING, AllocatorState, Layout
@@ -194,8 +192,12 @@ def fork(layout: Layout, state: AllocatorState, src, dst) -> AllocatorState:
     keep = jnp.arange(layout.max_blocks) < nfull
     rows = jnp.where(keep, state.tables[src], 0)                       # i32[G, M]
     held = jnp.where(rows > 0, rows, layout.num_blocks).reshape(-1)
-    pool = replace(state.block_pool.free_queue, ref_count=state.block_pool.free_queue.ref_count.at[held].add(1, mode="drop"))
-    copy = lambda a: a.at[dst].set(a[src])
+    pool = replace(
+        state.block_pool.free_queue, ref_count=state.block_pool.free_queue.ref_count.at[held].add(1, mode="drop")
+    )
+
+    def copy(a):
+        return a.at[dst].set(a[src])
     return replace(
         state,
         block_pool=replace(state.block_pool, free_queue=pool),
@@ -219,5 +221,12 @@ def new_step(layout: Layout, state: AllocatorState) -> AllocatorState:
     """A scheduler step begins: Mamba states cached in the previous step may now serve hits. Call it
     once per step: it also renumbers the prefix cache's insertion clock before it nears int32's end."""
     del layout
-    cache = jax.lax.cond(state.block_pool.prefix_cache.clock >= prefix_cache.CLOCK_LIMIT, prefix_cache.renumber_clock, lambda c: c, state.block_pool.prefix_cache)
-    return replace(state, block_pool=replace(state.block_pool, prefix_cache=cache), step_cached=jnp.zeros_like(state.step_cached))
+    cache = jax.lax.cond(
+        state.block_pool.prefix_cache.clock >= prefix_cache.CLOCK_LIMIT,
+        prefix_cache.renumber_clock,
+        lambda c: c,
+        state.block_pool.prefix_cache,
+    )
+    return replace(
+        state, block_pool=replace(state.block_pool, prefix_cache=cache), step_cached=jnp.zeros_like(state.step_cached)
+    )

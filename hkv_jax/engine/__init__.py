@@ -2,12 +2,12 @@
 ``ModelRunner`` (the jitted step programs, ``step.py``) and an ``OutputProcessor``."""
 
 from hkv_jax.engine.config import EngineConfig
-from hkv_jax.engine.engine import Engine, KVUsage
+from hkv_jax.engine.engine import Engine
 from hkv_jax.engine.request import FinishReason, Request, RequestStatus, check_stop
+from hkv_jax.engine.sampler import sample
 from hkv_jax.engine.sampling_params import SamplingParams
 from hkv_jax.engine.scheduler import Scheduler, SchedulerOutput
-from hkv_jax.engine.stats import Stats
-from hkv_jax.engine.sampler import sample
+from hkv_jax.engine.stats import KVUsage, Stats
 from hkv_jax.engine.step import EngineState, StepOutput, StepPlan, StepReport, step
 
 __all__ = ["Engine", "EngineConfig", "EngineState", "FinishReason", "KVUsage", "Request", "RequestStatus",

@@ -25,21 +25,10 @@ from hkv_jax.engine.request import Request
 from hkv_jax.engine.runner import ModelRunner
 from hkv_jax.engine.sampling_params import ENGINE_DEFAULTS, KNOB, SamplingParams, is_integer
 from hkv_jax.engine.scheduler import Scheduler
-from hkv_jax.engine.stats import Stats
+from hkv_jax.engine.stats import KVUsage, Stats
 from hkv_jax.engine.step import EngineState
+from hkv_jax.models.protocol import PagedModel
 from hkv_jax.planner import plan as plan_cache
-
-
-class KVUsage:
-    """A read-only view of the KV pool and the queues, between two steps."""
-
-    def __init__(self, num_blocks: int, free: int, running: int, waiting: int):
-        self.num_blocks, self.free_blocks, self.running, self.waiting = num_blocks, free, running, waiting
-
-    @property
-    def usage(self) -> float:
-        """The fraction of the pool's blocks that requests hold (prefix-cached free blocks count as free)."""
-        return 1 - self.free_blocks / self.num_blocks
 
 
 class Engine:
@@ -57,6 +46,9 @@ class Engine:
 
     def __init__(self, model, config: EngineConfig | None = None, *, mesh: jax.sharding.Mesh | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, **fields):
+        if not isinstance(model, PagedModel):
+            raise TypeError(f"{type(model).__name__} is not a PagedModel (cfg.layers, cfg.vocab_size, paged, "
+                            f"hidden, logits)")
         config = EngineConfig(**fields) if config is None else config
         vocab = model.cfg.vocab_size
         for name in ("max_top_logprobs", "max_logit_bias"):

@@ -23,8 +23,17 @@ from hkv_jax.engine.decode_batch import DecodeBatch
 from hkv_jax.engine.scheduler import SchedulerOutput, prompt_buffer, prompt_buffers
 from hkv_jax.engine.score import prompt_logprobs
 from hkv_jax.engine.stats import Stats
-from hkv_jax.engine.step import (SAMPLING, Changes, EngineState, StepPlan, StepReport, StepStatic, decode_steps,
-                                 prepare, step)
+from hkv_jax.engine.step import (
+    SAMPLING,
+    Changes,
+    EngineState,
+    StepPlan,
+    StepReport,
+    StepStatic,
+    decode_steps,
+    prepare,
+    step,
+)
 from hkv_jax.sharding import param_shardings, replicated
 
 # Module-level, so engines with the same model graph and sizes share compilations.

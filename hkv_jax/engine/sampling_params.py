@@ -41,7 +41,7 @@ class Knob:
             return None
         if not self.ok(value):
             raise ValueError(f"{self.name} must be {self.rule}, got {value!r}")
-        return int(value) if is_integer(value) else float(value)
+        return int(value) if self.dtype is np.int32 else float(value)
 
 
 # The one listing of the per-request sampling values. The step's plan carries them in this order

@@ -1,4 +1,4 @@
-"""The engine's counters."""
+"""The engine's counters (``Stats``) and its KV pool's use (``KVUsage``)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ class Stats:
     aborted: int = 0
     host_to_device_bytes: int = 0   # plans (when they change), releases and new prompts
     device_to_host: int = 0         # reads of a step's report (one per step; two after a lean miss)
-    prepare_calls: int = 0          # steps that released or admitted requests
-    bucket_steps: dict[str, int] = field(default_factory=dict)  # steps per program: token bucket, "lean " ones, "multi-step " ones
+    prepare_calls: int = 0  # steps that released or admitted requests
+    bucket_steps: dict[str, int] = field(
+        default_factory=dict
+    )  # steps per program: token bucket, "lean " ones, "multi-step " ones
     lean_misses: int = 0            # lean steps that found a block to move (the full step ran after)
     array_steps: int = 0            # decode-only steps planned and booked with arrays, not per request
     multi_step_calls: int = 0       # programs that ran several decode steps (``decode_steps > 1``)
@@ -28,3 +30,18 @@ class Stats:
 
     def count_program(self, key: str, steps: int = 1) -> None:
         self.bucket_steps[key] = self.bucket_steps.get(key, 0) + steps
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """A read-only view of the KV pool and the queues, between two steps (``Engine.kv_usage``)."""
+
+    num_blocks: int   # blocks of the pool, the null block left out
+    free_blocks: int  # blocks no request holds (prefix-cached ones included)
+    running: int      # requests running
+    waiting: int      # requests waiting
+
+    @property
+    def usage(self) -> float:
+        """The fraction of the pool's blocks that requests hold (prefix-cached free blocks count as free)."""
+        return 1 - self.free_blocks / self.num_blocks

@@ -86,7 +86,10 @@ class Changes:
 # values as their bits): name, dtype, and the value that leaves it out (greedy, no cut, no seed, no
 # penalty). ``prompt_len`` tells the penalties which of a request's tokens are its prompt, and
 # ``min_tokens`` when the bias entries of value -inf (its stop tokens) stop applying.
-SAMPLING = tuple((k.name, k.dtype, k.neutral) for k in KNOBS) + (("prompt_len", np.int32, 0), ("min_tokens", np.int32, 0))
+SAMPLING = tuple((k.name, k.dtype, k.neutral) for k in KNOBS) + (
+    ("prompt_len", np.int32, 0),
+    ("min_tokens", np.int32, 0),
+)
 
 
 @jax.tree_util.register_dataclass

@@ -26,8 +26,8 @@ from flax import nnx
 from hkv_jax.attention import AttentionMetadata, attention
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
+from hkv_jax.models.layers import RMSNorm, capped, dense_attention, rope
 from hkv_jax.models.quant import two_rows_at_least
-from hkv_jax.models.tiny import capped, dense_attention, rope
 from hkv_jax.spec import AttentionSpec, LayerSpec, SlidingWindowSpec
 
 
@@ -76,19 +76,6 @@ class Gemma3Config:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             attn_soft_cap=cfg.get("attn_logit_softcapping"), final_soft_cap=cfg.get("final_logit_softcapping"),
             param_dtype=param_dtype)
-
-
-class RMSNorm(nnx.Module):
-    """Gemma's RMSNorm: ``x / rms(x) * (1 + w)`` in float32, ``w`` zero-centred (as checkpoints store it)."""
-
-    def __init__(self, dim: int, eps: float, dtype: str):
-        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
 def _linear(n_in: int, n_out: int, cfg: Gemma3Config, rngs: nnx.Rngs) -> nnx.Linear:
@@ -210,7 +197,7 @@ class Gemma3LM(nnx.Module):
     def paged(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, metadata: AttentionMetadata,
               impl: str = "auto", sample_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """A ragged batch of new tokens through the paged cache: logits ``f32[S, vocab]`` at the token
-        indices ``sample_at`` (default: every token), and the cache (``TinyLM.paged``'s protocol)."""
+        indices ``sample_at`` (default: every token), and the cache (``hkv_jax.models.PagedModel``)."""
         x = self._embed(tokens)
         for layer in self.layers:
             x, cache = layer.paged(x, positions, cache, metadata, impl)

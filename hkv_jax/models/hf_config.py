@@ -165,7 +165,9 @@ def layers_from_hf_config(
             if kind == SLIDING:
                 layers.append(SlidingWindowSpec(sliding_window=_require_int(cfg, "sliding_window"), **common))
             elif kind == CHUNKED:
-                layers.append(ChunkedLocalSpec(attention_chunk_size=_require_int(cfg, "attention_chunk_size"), **common))
+                layers.append(
+                    ChunkedLocalSpec(attention_chunk_size=_require_int(cfg, "attention_chunk_size"), **common)
+                )
             else:
                 layers.append(FullAttentionSpec(**common))
     return tuple(layers)

@@ -32,7 +32,9 @@ def resolve_model(model: str) -> tuple[str, dict[str, Any]]:
         if path.is_dir():
             path = path / "config.json"
         try:
-            return path.stem if path.name != "config.json" else path.parent.name or str(path), json.loads(path.read_text())
+            return path.stem if path.name != "config.json" else path.parent.name or str(path), json.loads(
+                path.read_text()
+            )
         except FileNotFoundError:
             raise ValueError(f"no such config file: {path}") from None
         except json.JSONDecodeError as e:

@@ -27,6 +27,7 @@ from flax import nnx
 from hkv_jax.attention import AttentionMetadata, attention
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
+from hkv_jax.models.layers import capped, dense_attention, rope
 from hkv_jax.models.mamba2 import Mamba2, Mamba2Config
 from hkv_jax.spec import ChunkedLocalSpec, KVSharingSpec, LayerSpec, MambaSpec, SlidingWindowSpec
 
@@ -83,58 +84,6 @@ class TinyConfig:
         spec = self.layers[i]
         return (spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
                 spec.attention_chunk_size if isinstance(spec, ChunkedLocalSpec) else None)
-
-
-def capped(x: jax.Array, cap: float | None) -> jax.Array:
-    """``cap * tanh(x / cap)`` (Gemma 2's logit soft-capping); ``x`` itself when ``cap`` is ``None``."""
-    return x if cap is None else cap * jnp.tanh(x / cap)
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding of ``x: [T, H, D]`` at ``positions: i32[T]`` (half-split convention)."""
-    half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    ang = positions[:, None, None].astype(jnp.float32) * freq
-    x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-# Query rows whose scores ``dense_attention`` makes at a time in a long sequence: ``[Hq, 512, L]`` scores
-# instead of ``[Hq, L, L]`` (16 GB for 4 heads at 32k tokens), so that a long prompt can be scored whole.
-DENSE_QUERY_BLOCK = 512
-
-
-def dense_attention(q, k, v, *, window, chunk, soft_cap, sinks, scale: float | None = None) -> jax.Array:
-    """Causal attention over one whole sequence, ``q: [L, Hq, D]``, ``k, v: [L, Hkv, D]`` (the oracle path,
-    and ``hidden``'s); scores scaled by ``scale`` (default ``D ** -0.5``). A sequence of several
-    ``DENSE_QUERY_BLOCK`` rows runs a block of query rows at a time."""
-    length, hq, d = q.shape
-    rep = hq // k.shape[1]
-    k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
-    j = jnp.arange(length)[None, :]
-
-    def rows(qb, first):  # query rows first, first + 1, ... against every key
-        s = jnp.einsum("qhd,khd->hqk", qb, k) * (d ** -0.5 if scale is None else scale)
-        s = capped(s, soft_cap)
-        i = first + jnp.arange(qb.shape[0])[:, None]
-        mask = j <= i
-        if window is not None:
-            mask &= i - j < window
-        if chunk is not None:
-            mask &= i // chunk == j // chunk
-        s = jnp.where(mask, s, -jnp.inf)
-        if sinks is not None:
-            s = jnp.concatenate([s, jnp.broadcast_to(sinks[:, None, None], (hq, qb.shape[0], 1))], axis=-1)
-        p = jax.nn.softmax(s, axis=-1)[..., :length]
-        return jnp.einsum("hqk,khd->qhd", p, v)
-
-    block = DENSE_QUERY_BLOCK
-    if length <= block or length % block:
-        return rows(q, 0)
-    starts = jnp.arange(0, length, block)
-    out = jax.lax.map(lambda x: rows(*x), (q.reshape(length // block, block, hq, d), starts))
-    return out.reshape(length, hq, d)
 
 
 class Attention(nnx.Module):
@@ -254,9 +203,8 @@ class TinyLM(nnx.Module):
         """A ragged batch of new tokens (``i32[T]`` at ``positions``) through the paged cache: the logits
         ``f32[S, vocab]`` at the ``S`` token indices ``sample_at`` (default: every token), and the cache.
 
-        This is the protocol ``hkv_jax.engine`` serves: any model with ``cfg.layers`` (its layer specs),
-        ``cfg.vocab_size`` and this method. Logits only where a token is sampled: the vocabulary
-        projection of every prefill token would cost ``T x vocab``.
+        This is the protocol ``hkv_jax.engine`` serves (``hkv_jax.models.PagedModel``). Logits only where a
+        token is sampled: the vocabulary projection of every prefill token would cost ``T x vocab``.
         """
         x = self._embed(tokens)
         for b in self.blocks:

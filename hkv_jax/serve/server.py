@@ -17,9 +17,10 @@ server (nothing more to install).
   The answer has ``choices`` (``index``, ``text``, ``finish_reason``, ``logprobs``) and ``usage``. A
   client that goes away before its answer is complete is aborted.
 - ``POST /v1/chat/completions``: the same with ``messages`` (rendered with the model's own chat template,
-  ``protocol.ChatTemplate``; Gemma's turn format for models without one) instead of ``prompt``, ``max_completion_tokens`` or ``max_tokens`` (default: up to the engine's
-  ``max_model_len``), and ``logprobs: true`` with ``top_logprobs``; each answer choice's ``message``
-  (a stream's ``delta``) holds the text.
+  ``protocol.ChatTemplate``; Gemma's turn format for models without one) instead of ``prompt``,
+  ``max_completion_tokens`` or ``max_tokens`` (default: up to the engine's ``max_model_len``), and
+  ``logprobs: true`` with ``top_logprobs``; each answer choice's ``message`` (a stream's ``delta``) holds
+  the text.
 - ``POST /tokenize`` (``prompt``, or chat ``messages``; ``add_special_tokens``, default true: the BOS) and
   ``POST /detokenize`` (``tokens``), as vLLM's: the server's own tokenizer, for clients without it.
 - ``GET /v1/models``, ``GET /health``, and ``GET /metrics``: Prometheus' text format (``hkv_`` gauges of
@@ -31,11 +32,12 @@ With an API key (``CompletionServer(..., api_key=)``, ``hkv serve --api-key`` or
 ``/metrics`` stay open, as vLLM's. There is no TLS: put a proxy in front to serve beyond the host.
 
 This module is the HTTP layer and the engine thread; ``protocol.py`` parses bodies into ``SamplingParams``
-and builds OpenAI's answer objects. Only the engine's public API is used. One thread owns the engine. Between steps it takes the requests the HTTP threads queued (and the aborts
-of clients that went away); it steps while there is work and hands each request's new text to the
-thread serving it. ``echo``'s prompt log-probabilities are computed in the client's own thread (they read
-only the parameters), so a long prompt does not hold up the steps. Bad input gets status 400 and OpenAI's
-error object, and nothing is queued. A field given as ``null`` counts as absent, as in OpenAI's API.
+and builds OpenAI's answer objects. Only the engine's public API is used. One thread owns the engine.
+Between steps it takes the requests the HTTP threads queued (and the aborts of clients that went away); it
+steps while there is work and hands each request's new text to the thread serving it. ``echo``'s prompt
+log-probabilities are computed in the client's own thread (they read only the parameters), so a long prompt
+does not hold up the steps. Bad input gets status 400 and OpenAI's error object, and nothing is queued. A
+field given as ``null`` counts as absent, as in OpenAI's API.
 """
 
 from __future__ import annotations

@@ -1,0 +1,73 @@
+"""Building blocks shared by the tiny models and Gemma 3: rotary embedding, Gemma's RMSNorm, logit
+soft-capping, and the uncached attention that the dense oracle and prompt scoring run on."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def capped(x: jax.Array, cap: float | None) -> jax.Array:
+    """``cap * tanh(x / cap)`` (Gemma 2's logit soft-capping); ``x`` itself when ``cap`` is ``None``."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding of ``x: [T, H, D]`` at ``positions: i32[T]`` (half-split convention)."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    ang = positions[:, None, None].astype(jnp.float32) * freq
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+# Query rows whose scores ``dense_attention`` makes at a time in a long sequence: ``[Hq, 512, L]`` scores
+# instead of ``[Hq, L, L]`` (16 GB for 4 heads at 32k tokens), so that a long prompt can be scored whole.
+DENSE_QUERY_BLOCK = 512
+
+
+def dense_attention(q, k, v, *, window, chunk, soft_cap, sinks, scale: float | None = None) -> jax.Array:
+    """Causal attention over one whole sequence, ``q: [L, Hq, D]``, ``k, v: [L, Hkv, D]`` (the oracle path,
+    and ``hidden``'s); scores scaled by ``scale`` (default ``D ** -0.5``). A sequence of several
+    ``DENSE_QUERY_BLOCK`` rows runs a block of query rows at a time."""
+    length, hq, d = q.shape
+    rep = hq // k.shape[1]
+    k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
+    j = jnp.arange(length)[None, :]
+
+    def rows(qb, first):  # query rows first, first + 1, ... against every key
+        s = jnp.einsum("qhd,khd->hqk", qb, k) * (d ** -0.5 if scale is None else scale)
+        s = capped(s, soft_cap)
+        i = first + jnp.arange(qb.shape[0])[:, None]
+        mask = j <= i
+        if window is not None:
+            mask &= i - j < window
+        if chunk is not None:
+            mask &= i // chunk == j // chunk
+        s = jnp.where(mask, s, -jnp.inf)
+        if sinks is not None:
+            s = jnp.concatenate([s, jnp.broadcast_to(sinks[:, None, None], (hq, qb.shape[0], 1))], axis=-1)
+        p = jax.nn.softmax(s, axis=-1)[..., :length]
+        return jnp.einsum("hqk,khd->qhd", p, v)
+
+    block = DENSE_QUERY_BLOCK
+    if length <= block or length % block:
+        return rows(q, 0)
+    starts = jnp.arange(0, length, block)
+    out = jax.lax.map(lambda x: rows(*x), (q.reshape(length // block, block, hq, d), starts))
+    return out.reshape(length, hq, d)
+
+
+class RMSNorm(nnx.Module):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + w)`` in float32, ``w`` zero-centred (as checkpoints store it)."""
+
+    def __init__(self, dim: int, eps: float, dtype: str):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)

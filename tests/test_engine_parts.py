@@ -1,0 +1,159 @@
+"""The engine's host parts on their own: ``SamplingParams``, the stop rule and its device mirror, the
+``Scheduler`` (no model built), and the named ``StepReport``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hkv_jax.engine import FinishReason, SamplingParams, Scheduler, StepReport, check_stop
+from hkv_jax.engine.request import may_stop
+from hkv_jax.engine.step import REPORT_ROWS
+
+
+def test_sampling_params_are_checked_once_when_built_and_against_the_engine():
+    p = SamplingParams(max_new_tokens=4, temperature=1, top_k=np.int64(3), stop=[7, 7, 9], stop_strings="END",
+                       logit_bias={5: 2}, min_tokens=2, top_logprobs=1)
+    assert (p.temperature, p.top_k, p.stop, p.stop_strings, p.logprobs) == (1.0, 3, (7, 7, 9), ("END",), True)
+    assert type(p.top_k) is int and type(p.temperature) is float
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.temperature = 2.0
+    assert p.bias_entries(vocab_size=16, max_logit_bias=3) == ((5, 2.0), (7, -np.inf), (9, -np.inf))
+    for bad, message in (({"max_new_tokens": 0}, "max_new_tokens must be a positive integer"),
+                         ({"temperature": -1}, "temperature must be finite and >= 0"),
+                         ({"top_p": 0}, "top_p must be in (0, 1]"), ({"top_k": 1.5}, "top_k must be an integer"),
+                         ({"seed": 2**31}, "seed must be an integer in [0, 2**31)"),
+                         ({"stop_strings": ("",)}, "stop_strings must be non-empty strings"),
+                         ({"min_tokens": 5}, "min_tokens must be an integer in [0, max_new_tokens]"),
+                         ({"logit_bias": [(1, 1.0)]}, "logit_bias must be a dict")):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+                           .replace("*", r"\*")):
+            SamplingParams(**{"max_new_tokens": 4, **bad})
+    with pytest.raises(ValueError, match="max_logit_bias 2"):
+        p.check(vocab_size=16, max_top_logprobs=1, max_logit_bias=2, can_detokenize=True)
+    with pytest.raises(ValueError, match="need the engine's detokenize"):
+        p.check(vocab_size=16, max_top_logprobs=1, max_logit_bias=3, can_detokenize=False)
+    with pytest.raises(ValueError, match=r"maps tokens in \[0, 4\)"):
+        p.bias_entries(vocab_size=4, max_logit_bias=3)
+    assert SamplingParams.from_dict(p.to_dict()) == p
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6), st.integers(0, 9),
+                          st.lists(st.integers(0, 9), max_size=3)), min_size=1, max_size=8))
+def test_the_device_loops_early_exit_mirrors_the_host_stop_rule(lanes):
+    """Per lane (max_new_tokens, tokens generated, last token, stop ids): the device flags every lane whose
+    request the host stops, and flags no other lane when the batch shares one stop list."""
+    lanes = [(m, min(g, m - 1) + 1, t, tuple(s)) for m, g, t, s in lanes]  # g >= 1 tokens generated, <= m
+    union = np.array(sorted({t for *_, s in lanes for t in s}) or [-1], np.int32)
+    left = np.array([m - g for m, g, _, _ in lanes])
+    last = np.array([t for _, _, t, _ in lanes], np.int32)
+    flagged = np.asarray(may_stop(jnp.asarray(left), jnp.asarray(last), jnp.asarray(union)))
+    host = [check_stop(SamplingParams(max_new_tokens=m, stop=s), g, t) for m, g, t, s in lanes]
+    assert all(flagged[i] for i, reason in enumerate(host) if reason is not None)
+    shared = [check_stop(SamplingParams(max_new_tokens=m, stop=tuple(union.tolist())), g, t)
+              for m, g, t, _ in lanes]
+    assert flagged.tolist() == [reason is not None for reason in shared]
+
+
+def test_check_stop_names_the_reason():
+    p = SamplingParams(max_new_tokens=3, stop=(2,))
+    assert check_stop(p, 1, 5) is None
+    assert check_stop(p, 1, 2) == FinishReason.STOP == "stop"
+    assert check_stop(p, 3, 5) == FinishReason.LENGTH
+    assert check_stop(p, 1, 5, stop_string="END") == FinishReason.STOP
+
+
+def _scheduler(**kw) -> Scheduler:
+    return Scheduler(**{"max_requests": 3, "token_budget": 8, "block_size": 4, **kw})
+
+
+def _run(s: Scheduler, out, refused=()) -> None:
+    """What the engine does with a plan when every lane but ``refused`` gets its tokens."""
+    s.sent(out)
+    for i, r in enumerate(out.requests):
+        if r.rid in refused:
+            continue
+        if i >= out.num_running:
+            s.start(r)
+        r.computed += int(out.num_tokens[i])
+        if r.computed == r.total:  # it sampled a token
+            r.generated.append(0)
+    if refused:
+        s.handle_refusals([(rid, int(out.num_tokens[out.request_ids.index(rid)])) for rid in refused], 16)
+
+
+def test_the_scheduler_plans_decodes_first_then_chunks_within_the_budget():
+    s = _scheduler()
+    p = SamplingParams(max_new_tokens=4)
+    a, b, c, d = (s.add(list(range(n)), p) for n in (6, 10, 3, 2))
+    out = s.schedule()
+    assert out.request_ids == [a, b] and out.num_tokens[:2].tolist() == [6, 2] and out.admitted == [a, b]
+    assert out.changes.lens[:2].tolist() == [6, 10] and out.num_running == 0 and out.slots[:2].tolist() == [0, 1]
+    _run(s, out)  # a sampled its first token: it decodes now
+    out = s.schedule()  # decoding first (a), then b's chunk: the budget is spent before c
+    assert out.request_ids == [a, b] and out.num_tokens[:2].tolist() == [1, 7] and not out.admitted
+    assert out.num_decoding == 1 and out.num_running == 2 and out.changes is None
+    assert s.free_slot() == 2 and s.waiting == [c, d]
+
+
+def test_a_refused_running_request_preempts_the_latest_and_holds_admissions():
+    s = _scheduler(token_budget=32)
+    p = SamplingParams(max_new_tokens=4)
+    a, b = s.add([1] * 5, p), s.add([2] * 5, p)
+    _run(s, s.schedule())
+    c = s.add([3] * 5, p)
+    out = s.schedule()
+    assert out.request_ids == [a, b, c] and out.admitted == [c]
+    _run(s, out, refused=(a,))  # a running request refused: the latest admitted (c) makes room
+    assert s.running == [a, b] and s.waiting == [c] and s.requests[c].preemptions == 1
+    assert s.requests[c].computed == 0 and s.to_preempt == [s.requests[c].slot] and s.hold_admissions
+    out = s.schedule()
+    assert out.request_ids == [a, b] and not s.hold_admissions  # no admission the step after
+
+
+def test_abort_and_finish_free_the_slot_and_forget_needs_a_finished_request():
+    s = _scheduler()
+    p = SamplingParams(max_new_tokens=4)
+    a, b = s.add([1] * 3, p), s.add([2] * 3, p)
+    _run(s, s.schedule())
+    slot = s.requests[a].slot
+    with pytest.raises(ValueError, match="is not done"):
+        s.forget(a)
+    assert s.abort(a) and not s.abort(a) and s.to_free == [slot] and s.requests[a].aborted
+    assert s.forget(a).finish_reason == FinishReason.ABORT
+    with pytest.raises(KeyError, match="no request 99"):
+        s.abort(99)
+    s.finish(s.requests[b], FinishReason.LENGTH, 0.0)
+    assert not s.running and s.requests[b].done and s.has_work  # its blocks are freed by the next step
+
+
+def test_mamba_chunks_stop_at_block_boundaries():
+    s = _scheduler(align=True, token_budget=16)
+    rid = s.add([1] * 11, SamplingParams(max_new_tokens=2))
+    r = s.requests[rid]
+    r.max_chunk = 6
+    out = s.schedule()
+    assert out.num_tokens[0] == 6
+    _run(s, out)
+    assert s.schedule().num_tokens[0] == 2  # from 6 to the boundary at 8
+
+
+def test_step_reports_are_read_by_name():
+    n, N = 3, 2
+    data = np.zeros((2, len(REPORT_ROWS) + 2 * N, n), np.int32)
+    data[:, REPORT_ROWS.index("ok")] = 1
+    data[:, REPORT_ROWS.index("num_new")] = 1
+    data[:, REPORT_ROWS.index("sampled")] = [[1, 1, 1], [1, 0, 1]]
+    data[:, REPORT_ROWS.index("tokens")] = [[4, 5, 6], [7, -1, 9]]
+    data[:, REPORT_ROWS.index("logprob")] = np.float32(-0.5).view(np.int32)
+    data[:, len(REPORT_ROWS) + N:] = np.float32(-1.25).view(np.int32)
+    report = StepReport(data)
+    assert report.tokens.tolist() == [[4, 5, 6], [7, -1, 9]] and report.clean_decodes().tolist() == [True, False]
+    assert report.logprob.tolist() == [[-0.5] * 3] * 2 and report.top_logprobs.shape == (2, N, n)
+    assert (report.top_logprobs == -1.25).all() and len(report.steps(slice(1))) == 1
