@@ -1,6 +1,6 @@
 """One line naming the machine a benchmark ran on: CPU model, cores, JAX backend and version.
 
-The dev machines change between sessions (an AMD EPYC one day, an Intel Xeon with AVX-512 the next), and
+Development machines differ (an AMD EPYC one day, an Intel Xeon with AVX-512 the next), and
 figures only compare on the same CPU, so every benchmark prints this line with its figures."""
 
 from __future__ import annotations

@@ -460,8 +460,9 @@ def test_a_models_own_chat_template_renders_the_prompt_as_transformers_would():
     codec = SimpleNamespace(tokenizer=tokenizer, bos_id=1, eos_ids=(2,), chat_template=template,
                             encode=lambda text, bos=True: seen.append((text, bos)) or [len(text)])
     chat = ChatTemplate(codec)
-    assert chat.encode([{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi"}]) == [37]
-    assert seen[-1] == ("<s><|system|>\nBe brief.\n<|user|>\nHi\n<|model|>\n", False)
+    text = "<s><|system|>\nBe brief.\n<|user|>\nHi\n<|model|>\n"
+    assert chat.encode([{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi"}]) == [len(text)]
+    assert seen[-1] == (text, False)
     with pytest.raises(BadRequest, match="no assistant turns here"):
         chat.encode([{"role": "assistant", "content": "x"}])
     with pytest.raises(BadRequest, match="each message needs a role"):

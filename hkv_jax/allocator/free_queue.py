@@ -1,4 +1,5 @@
-"""The block pool as a pytree: ref counts and the LRU free queue, updated by pure jitted functions.
+"""The free block queue as a pytree: ref counts and the LRU free queue (vLLM's ``FreeKVCacheBlockQueue``),
+updated by pure jitted functions.
 
 vLLM keeps the free queue as a doubly linked list of block objects. Here it is
 a circular array ``queue`` of block ids between two ends ``head`` and ``tail``,

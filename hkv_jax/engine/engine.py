@@ -47,8 +47,7 @@ class Engine:
     def __init__(self, model, config: EngineConfig | None = None, *, mesh: jax.sharding.Mesh | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, **fields):
         if not isinstance(model, PagedModel):
-            raise TypeError(f"{type(model).__name__} is not a PagedModel (cfg.layers, cfg.vocab_size, paged, "
-                            f"hidden, logits)")
+            raise TypeError(f"{type(model).__name__} is not a PagedModel (cfg.layers, cfg.vocab_size, paged)")
         config = EngineConfig(**fields) if config is None else config
         vocab = model.cfg.vocab_size
         for name in ("max_top_logprobs", "max_logit_bias"):
@@ -140,6 +139,8 @@ class Engine:
         log-probability)] of the ``top`` likeliest tokens, likeliest first)`` per token. It runs the
         uncached forward (``hkv_jax.engine.score``), compiled once per prompt-buffer size, and changes
         nothing. ``ValueError`` for a bad prompt or ``top`` over ``max_top_logprobs``."""
+        if not self.runner.can_score:
+            raise TypeError("prompt_logprobs needs a ScoringModel (hidden and logits besides paged)")
         prompt = self.check_prompt(prompt)
         most = self.config.max_top_logprobs
         if not is_integer(top) or not 0 <= top <= most:

@@ -34,6 +34,7 @@ from hkv_jax.engine.step import (
     prepare,
     step,
 )
+from hkv_jax.models.protocol import ScoringModel
 from hkv_jax.sharding import param_shardings, replicated
 
 # Module-level, so engines with the same model graph and sizes share compilations.
@@ -65,6 +66,7 @@ class ModelRunner:
         if mesh is not None:
             mesh_model_size(mesh)  # checks the axis names
         self.layout, self.mesh, self.stats = layout, mesh, stats
+        self.can_score = isinstance(model, ScoringModel)
         graphdef, params = nnx.split(model)
         if mesh is not None:
             params = jax.device_put(params, param_shardings(params, model.cfg, mesh))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hkv_jax.models.hf_config import layers_from_hf_config
 from hkv_jax.models.presets import load_preset, preset_names, resolve_model
-from hkv_jax.models.protocol import ModelConfig, PagedModel
+from hkv_jax.models.protocol import ModelConfig, PagedModel, ScoringModel
 from hkv_jax.spec import LayerSpec
 
 
@@ -22,6 +22,7 @@ def model_layers(model: str, *, dtype: str | None = None) -> tuple[LayerSpec, ..
 __all__ = [
     "ModelConfig",
     "PagedModel",
+    "ScoringModel",
     "layers_from_hf_config",
     "load_preset",
     "model_layers",

@@ -1,4 +1,4 @@
-"""What the engine needs of a model: ``PagedModel``."""
+"""What the engine needs of a model: ``PagedModel`` to serve it, ``ScoringModel`` to score prompts too."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ class PagedModel(Protocol):
         """A ragged batch of new tokens (``i32[T]`` at ``positions``) through the paged cache: the logits
         ``f32[S, vocab]`` at the token indices ``sample_at`` (default: every token), and the new cache."""
         ...
+
+
+@runtime_checkable
+class ScoringModel(PagedModel, Protocol):
+    """A ``PagedModel`` whose prompts ``Engine.prompt_logprobs`` can score: its uncached forward in two parts."""
 
     def hidden(self, tokens: jax.Array) -> jax.Array:
         """The last hidden states ``[L, hidden]`` of one whole sequence, uncached (prompt scoring)."""
