@@ -24,6 +24,7 @@ Policies (``docs/SEMANTICS.md``, "Planning", states ``vllm`` exactly):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -138,6 +139,17 @@ class KVCacheConfig:
         return min(g.block_size for g in self.groups)
 
     @property
+    def hash_block_size(self) -> int:
+        """Tokens per prefix hash: the gcd of the groups' block sizes (vLLM's ``hash_block_size``)."""
+        return math.gcd(*(g.block_size for g in self.groups))
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """The lcm of the groups' block sizes: prefix-cache hits are multiples of it (vLLM's
+        ``scheduler_block_size``)."""
+        return math.lcm(*(g.block_size for g in self.groups))
+
+    @property
     def tensors(self) -> tuple[KVCacheTensor, ...]:
         """The shared tensors: tensor ``i`` holds the i-th layer of every group."""
         return tuple(
@@ -211,6 +223,8 @@ class KVCacheConfig:
             "policy": self.policy,
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
+            "hash_block_size": self.hash_block_size,
+            "scheduler_block_size": self.scheduler_block_size,
             "page_size_bytes": self.page_size_bytes,
             "bytes_per_block": self.bytes_per_block,
             "total_bytes": self.total_bytes,

@@ -87,6 +87,9 @@ def render_table(model: str, layers, chosen: KVCacheConfig, others: dict[str, KV
         f"page {format_bytes(c.page_size_bytes)}, block {format_bytes(c.bytes_per_block)}, "
         f"{c.num_blocks} blocks (null block included) = {format_bytes(c.total_bytes)}",
     ]
+    if c.hash_block_size != c.scheduler_block_size:
+        out.append(f"groups of different block sizes: a prefix hash every {c.hash_block_size} tokens (gcd), "
+                   f"cache hits in multiples of {c.scheduler_block_size} tokens (lcm)")
     if tp > 1:
         t = tensor_parallel(c, tp)
         out.append(f"tensor parallel over {tp} devices: {t['split_layer_slots']} of {t['layer_slots']} layer slots "

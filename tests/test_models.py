@@ -16,6 +16,9 @@ EXPECTED = {  # preset: (layers, {kind: count})
     "jamba-mini-1.5": (32, {"mamba": 28, "full": 4}),
     "qwen3-next-80b-a3b": (48, {"mamba": 36, "full": 12}),
     "granite-4.0-h-small": (40, {"mamba": 36, "full": 4}),
+    "gemma-4-31b": (60, {"sliding_window": 50, "full": 10}),
+    "gemma-4-26b-a4b": (30, {"sliding_window": 25, "full": 5}),
+    "gemma-4-e4b": (42, {"sliding_window": 20, "full": 4, "kv_sharing": 18}),
 }
 
 
@@ -51,6 +54,29 @@ def test_gemma3n_shared_layers_point_at_the_last_unshared_layer_of_their_kind():
     shared = [l for l in layers if isinstance(l, KVSharingSpec)]
     assert {l.target for l in shared} == {"model.layers.18", "model.layers.19"}
     assert next(l for l in shared if l.name == "model.layers.24").target == "model.layers.19"
+
+
+@pytest.mark.parametrize("preset, sliding, full", [("gemma-4-31b", (16, 256), (4, 512)),
+                                                   ("gemma-4-26b-a4b", (8, 256), (2, 512)),
+                                                   ("gemma-4-e4b", (2, 256), (2, 512))])
+def test_gemma4_full_layers_have_their_own_kv_shape(preset, sliding, full):
+    """Gemma 4: ``global_head_dim`` and ``num_global_key_value_heads`` shape the full layers' KV (absent: the
+    sliding layers'); ``attention_k_eq_v`` changes no page."""
+    shapes = {(l.kind, l.num_kv_heads, l.head_size) for l in model_layers(preset) if not isinstance(l, KVSharingSpec)}
+    assert shapes == {("sliding_window", *sliding), ("full", *full)}
+    config = load_preset(preset)
+    assert layers_from_hf_config({**config, "text_config": {**config["text_config"], "attention_k_eq_v": True}}) == \
+        layers_from_hf_config({**config, "text_config": {**config["text_config"], "attention_k_eq_v": False}})
+    with pytest.raises(ValueError, match="attention_k_eq_v"):
+        layers_from_hf_config({**config, "text_config": {**config["text_config"], "attention_k_eq_v": "yes"}})
+
+
+def test_gemma4_e4b_shared_layers_read_the_last_earlier_layer_of_their_kind():
+    layers = model_layers("gemma-4-e4b")
+    shared = {l.name: l.target for l in layers if isinstance(l, KVSharingSpec)}
+    assert sorted(shared, key=lambda n: int(n.split(".")[-1])) == [f"model.layers.{i}" for i in range(24, 42)]
+    assert set(shared.values()) == {"model.layers.22", "model.layers.23"}  # last sliding, last full before 24
+    assert shared["model.layers.29"] == "model.layers.23" and shared["model.layers.24"] == "model.layers.22"
 
 
 def test_dtype_override_and_float32_served_as_bfloat16():

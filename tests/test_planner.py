@@ -149,3 +149,20 @@ def test_vllm_policy_reproduces_every_trace_grouping():
             assert sorted(g.all_layer_names) == sorted(w["layer_names"]), path.name
             assert g.block_size == w["block_size"], path.name
         assert cfg.bytes_per_block == expected["kv_cache_config"]["bytes_per_block"], path.name
+
+
+@pytest.mark.parametrize("preset, sliding, full", [("gemma-4-31b", 16, 32), ("gemma-4-26b-a4b", 16, 32),
+                                                   ("gemma-4-e4b", 32, 16)])
+def test_vllm_scales_the_block_size_of_the_smaller_page_on_gemma4(preset, sliding, full):
+    """vLLM unifies the page size by giving the smaller-page groups proportionally larger blocks: Gemma 4 31B's
+    full layers (4 KV heads x 512 against 16 x 256) get 32 tokens, E4B's sliding layers (2 x 256 against
+    2 x 512) get 32. Prefix hashes come every gcd tokens, hits in multiples of the lcm."""
+    cfg = plan(model_layers(preset), block_size=16, policy="vllm", num_blocks=1000)
+    sizes = {g.spec.kind: {x.block_size for x in cfg.groups if x.spec.kind == g.spec.kind} for g in cfg.groups}
+    assert sizes == {"sliding_window": {sliding}, "full": {full}}
+    assert (cfg.hash_block_size, cfg.scheduler_block_size) == (16, 32)
+    assert all(g.spec.page_size_bytes(g.block_size) == cfg.page_size_bytes for g in cfg.groups)
+    d = cfg.to_dict()
+    assert (d["hash_block_size"], d["scheduler_block_size"]) == (16, 32)
+    assert sorted({g["block_size"] for g in d["groups"]}) == [16, 32]
+

@@ -69,6 +69,9 @@ class PyAllocator:
         # A Mamba state spanning k pages is k groups of one page (KVCacheConfig.allocator_groups);
         # results list each state's pages together (merge_parts).
         self.groups, self.parts = cfg.allocator_groups()
+        # Groups with different block sizes (SEMANTICS.md): one hash every gcd tokens (the hash unit), hits
+        # cut to multiples of the lcm (the scheduling unit). One block size: both are that size.
+        self.hash_block_size, self.scheduler_block_size = cfg.hash_block_size, cfg.scheduler_block_size
         n = cfg.num_blocks
         self.ref = [0] * n
         self.hash: list[Hashable | None] = [None] * n  # (block hash, group id) the block is cached under
@@ -137,10 +140,21 @@ class PyAllocator:
             out.append(blocks[0])
         return out
 
+    def _group_hashes(self, hashes: list[Hashable], g: int) -> list[Hashable]:
+        """Group ``g``'s block hashes from the request's hash-unit ones: each block is keyed by the hash at its
+        end (block ``i`` of ``k`` hash units: hash ``(i + 1) k - 1``)."""
+        k = self.groups[g].block_size // self.hash_block_size
+        return hashes[k - 1::k]
+
+    def _aligned(self, blocks: int, bs: int) -> bool:
+        """Whether ``blocks`` blocks of ``bs`` tokens end on a multiple of the scheduling unit."""
+        return blocks * bs % self.scheduler_block_size == 0
+
     # ---- per-type hit rules -------------------------------------------------------------------
     def _hit_one(self, gids: list[int], hashes: list[Hashable], max_len: int) -> tuple[list[list[int]], int]:
         g0 = self.groups[gids[0]]
         spec, bs = g0.spec, g0.block_size
+        hashes = self._group_hashes(hashes, gids[0])
         nmax = max_len // bs
         per = [[] for _ in gids]
         if isinstance(spec, SlidingWindowSpec):
@@ -149,7 +163,7 @@ class PyAllocator:
             run = 0
             for i in range(nmax - 1, -1, -1):
                 got = self._cached(hashes[i], gids)
-                if got is None:
+                if got is None or (run == 0 and not self._aligned(i + 1, bs)):  # a run ends on the lcm
                     run = 0
                     continue
                 for p, b in zip(per, got):
@@ -157,10 +171,12 @@ class PyAllocator:
                 run += 1
                 if run >= need:
                     return [p[: i + run] for p in per], (i + run) * bs
+            while run and not self._aligned(run, bs):  # a short run from block 0: cut to the lcm
+                run -= 1
             return [p[:run] for p in per], run * bs
         if isinstance(spec, MambaSpec):
             for i in range(nmax - 1, -1, -1):
-                got = self._cached(hashes[i], gids)
+                got = self._cached(hashes[i], gids) if self._aligned(i + 1, bs) else None
                 if got is not None:
                     return [[NULL] * i + [b] for b in got], (i + 1) * bs
             return per, 0
@@ -174,12 +190,13 @@ class PyAllocator:
                 break
             for p, b in zip(per, got):
                 p.append(b)
-        return per, len(per[0]) * bs
+        n = len(per[0]) * bs // self.scheduler_block_size * self.scheduler_block_size // bs
+        return [p[:n] for p in per], n * bs
 
     def lookup(self, rid: str) -> tuple[list[list[int]], int, int]:
         """Longest prefix hit of a waiting request: (hit blocks per group, hit tokens, shared boundary)."""
         r = self.requests[rid]
-        hashes = block_hashes(r.tokens, self.cfg.block_size, r.salt)
+        hashes = block_hashes(r.tokens, self.hash_block_size, r.salt)
         hit = len(r.tokens) - 1
         longest = 0
         blocks: list[list[int] | None] = [None] * len(self.groups)
@@ -279,23 +296,41 @@ class PyAllocator:
             return
         table.extend(self._pop_free(max(cdiv(need, bs) - len(table), 0)))
 
-    def _cache(self, r: Request, g: int, num_tokens: int, hashes: list[Hashable]) -> None:
+    def _reachable(self, g: int, i: int) -> bool:
+        """Whether block ``i`` of group ``g`` can ever serve a hit, so is cached (dense retention): a sliding
+        window that needs fewer blocks than one lcm segment is only looked up from lcm boundaries, so only its
+        last blocks before each boundary can serve one."""
         group = self.groups[g]
+        if not isinstance(group.spec, SlidingWindowSpec):
+            return True
+        segment = self.scheduler_block_size // group.block_size
+        return i % segment >= segment - cdiv(group.spec.sliding_window - 1, group.block_size)
+
+    def _put(self, b: int, key: Hashable) -> None:
+        self._evict(b)
+        self.hash[b] = key
+        self.cache.setdefault(key, []).append(b)
+
+    def _cache(self, r: Request, g: int, num_tokens: int, hashes: list[Hashable]) -> None:
+        """Cache group ``g``'s blocks that ``num_tokens`` computed tokens fill, cut to the scheduling unit (a
+        block past the last lcm boundary could not serve a hit yet). vLLM's partial entry for a full-attention
+        block that holds the prompt's last hash boundary needs no statement here: that boundary is cached only
+        once the cut reaches it, and then the whole block is full and gets its full entry in the same call."""
+        group = self.groups[g]
+        bs = group.block_size
+        own = self._group_hashes(hashes, g)
+        num_tokens = num_tokens // self.scheduler_block_size * self.scheduler_block_size
         before = r.num_cached[g] or 0
-        full = min(num_tokens, len(hashes) * group.block_size) // group.block_size
-        if before >= full:
-            return
+        full = min(num_tokens, len(own) * bs) // bs
         for i in range(before, full):
             b = r.tables[g][i]
-            if b == NULL:
+            if b == NULL or not self._reachable(g, i):
                 continue
-            self._evict(b)
-            key = (hashes[i], g)
-            self.hash[b] = key
-            self.cache.setdefault(key, []).append(b)
+            key = (own[i], g)
+            self._put(b, key)
             if isinstance(group.spec, MambaSpec):
                 self.cached_this_step.add(key)
-        r.num_cached[g] = full
+        r.num_cached[g] = max(before, full)
 
     def allocate_slots(
         self, rid: str, num_new: int, hits: list[list[int]] | None = None, num_hit: int = 0
@@ -322,7 +357,7 @@ class PyAllocator:
         before = [len(t) for t in r.tables]
         for g in range(ng):
             self._allocate_new(r, g, need, main)
-        hashes = block_hashes(r.tokens, self.cfg.block_size, r.salt)
+        hashes = block_hashes(r.tokens, self.hash_block_size, r.salt)
         for g in range(ng):
             self._cache(r, g, min(computed + num_new, len(r.tokens)), hashes)
         return [t[b:] for t, b in zip(r.tables, before)]

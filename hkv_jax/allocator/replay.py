@@ -19,7 +19,16 @@ def trace_config(trace: dict[str, Any], policy: str = "vllm"):
     for key in ("block_size", "num_blocks", "max_model_len", "steps"):
         if key not in trace:
             raise ValueError(f"trace has no {key!r}")
-    return plan(layers_from_trace(trace), block_size=trace["block_size"], policy=policy, num_blocks=trace["num_blocks"])
+    cfg = plan(layers_from_trace(trace), block_size=trace["block_size"], policy=policy, num_blocks=trace["num_blocks"])
+    if policy == "vllm":  # a trace with groups of different block sizes states vLLM's units and sizes: check them
+        ours = {"hash_block_size": cfg.hash_block_size, "scheduler_block_size": cfg.scheduler_block_size}
+        if "groups" in trace:
+            ours["groups"] = [g.block_size for g in cfg.groups]
+            trace = {**trace, "groups": [g.get("block_size") for g in trace["groups"]]}
+        for key, value in ours.items():
+            if key in trace and trace[key] != value:
+                raise ValueError(f"the trace states {key} {trace[key]}, the plan of its layers gives {value}")
+    return cfg
 
 
 def run_trace(trace: dict[str, Any], policy: str = "vllm", engine: str = "jax",
@@ -60,7 +69,7 @@ def run_trace(trace: dict[str, Any], policy: str = "vllm", engine: str = "jax",
                 if op == "add":
                     alloc.add(ev["id"], ev["prompt"])
                     res["prompt_len"] = len(ev["prompt"])
-                    res["num_block_hashes"] = len(ev["prompt"]) // cfg.block_size
+                    res["num_block_hashes"] = len(ev["prompt"]) // cfg.hash_block_size
                 elif op == "schedule":
                     out = ev.get("output_tokens") or [None]
                     res.update(alloc.schedule(ev["id"], ev.get("num_tokens", "all"), out[0]))

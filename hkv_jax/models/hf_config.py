@@ -6,7 +6,11 @@ Reads the fields real configs use to say which layer is which:
 ``sliding_window_pattern`` (Gemma 3), ``attention_chunk_size`` +
 ``no_rope_layers`` (Llama 4), Gemma 2's alternation, a plain
 ``sliding_window`` (Mistral), ``num_kv_shared_layers`` (Gemma 3n), and the
-Mamba-1, Mamba-2 and Gated-DeltaNet state fields.
+Mamba-1, Mamba-2 and Gated-DeltaNet state fields. Gemma 4's full-attention layers
+have their own KV shape: ``global_head_dim`` and ``num_global_key_value_heads``
+(absent: the sliding layers' ``head_dim`` and ``num_key_value_heads``);
+``attention_k_eq_v`` (keys used as values) is checked but changes no page: vLLM
+stores both K and V, and so does the cache here.
 """
 
 from __future__ import annotations
@@ -142,6 +146,11 @@ def layers_from_hf_config(
         if not heads:
             raise ValueError("config needs num_key_value_heads or num_attention_heads")
         head_size = cfg.get("head_dim") or _require_int(cfg, "hidden_size") // _require_int(cfg, "num_attention_heads")
+    if not isinstance(cfg.get("attention_k_eq_v", False), bool):
+        raise ValueError(f"config field 'attention_k_eq_v' must be true or false, got {cfg['attention_k_eq_v']!r}")
+    if any(k == FULL for k in kinds):  # Gemma 4: the full-attention layers' own KV shape
+        full_heads = cfg.get("num_global_key_value_heads") or heads
+        full_head_size = cfg.get("global_head_dim") or head_size
     kvd = kv_dtype(cfg, dtype)
     names = [name_format.format(i=i) for i in range(n)]
     state = mamba_state(cfg, kvd) if RECURRENT in kinds else None
@@ -169,5 +178,5 @@ def layers_from_hf_config(
                     ChunkedLocalSpec(attention_chunk_size=_require_int(cfg, "attention_chunk_size"), **common)
                 )
             else:
-                layers.append(FullAttentionSpec(**common))
+                layers.append(FullAttentionSpec(**{**common, "num_kv_heads": full_heads, "head_size": full_head_size}))
     return tuple(layers)
