@@ -53,7 +53,8 @@ def test_the_device_loops_early_exit_mirrors_the_host_stop_rule(lanes):
     union = np.array(sorted({t for *_, s in lanes for t in s}) or [-1], np.int32)
     left = np.array([m - g for m, g, _, _ in lanes])
     last = np.array([t for _, _, t, _ in lanes], np.int32)
-    flagged = np.asarray(may_stop(jnp.asarray(left), jnp.asarray(last), jnp.asarray(union)))
+    flagged = np.asarray(may_stop(jnp.asarray(left), jnp.asarray(last), jnp.asarray(union), jnp))
+    assert flagged.tolist() == may_stop(left, last, union).tolist()  # the host's numpy form agrees
     host = [check_stop(SamplingParams(max_new_tokens=m, stop=s), g, t) for m, g, t, s in lanes]
     assert all(flagged[i] for i, reason in enumerate(host) if reason is not None)
     shared = [check_stop(SamplingParams(max_new_tokens=m, stop=tuple(union.tolist())), g, t)

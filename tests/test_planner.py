@@ -166,3 +166,17 @@ def test_vllm_scales_the_block_size_of_the_smaller_page_on_gemma4(preset, slidin
     assert (d["hash_block_size"], d["scheduler_block_size"]) == (16, 32)
     assert sorted({g["block_size"] for g in d["groups"]}) == [16, 32]
 
+
+
+@pytest.mark.parametrize("preset, policy", [("gemma-3-27b", "vllm"), ("jamba-mini-1.5", "vllm"),
+                                            ("gemma-4-31b", "vllm"), ("jamba-mini-1.5", "min-waste")])
+def test_the_plot_draws_every_group_and_hatches_all_padding(preset, policy):
+    """``hkv plan --plot`` draws one block of every group; the hatched (padding) area, empty slots and padded
+    pages alike, is the plan's padding fraction."""
+    from hkv_jax.plot import slot_fill
+
+    cfg = plan(model_layers(preset), block_size=16, policy=policy, num_blocks=1000)
+    fill = slot_fill(cfg)
+    assert len(fill) == len(cfg.groups) and all(len(col) == cfg.group_size for col in fill)
+    hatched = sum(cfg.group_size - sum(col) for col in fill) / (len(fill) * cfg.group_size)
+    assert hatched == pytest.approx(cfg.padding_fraction)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, fields
 
-import jax.numpy as jnp
+import numpy as np
 
 from hkv_jax.engine.sampling_params import KNOBS, SamplingParams
 
@@ -37,13 +37,14 @@ def check_stop(params: SamplingParams, num_generated: int, last_token: int | Non
     return FinishReason.LENGTH if num_generated >= params.max_new_tokens else None
 
 
-def may_stop(tokens_left, tokens, stop_ids):
+def may_stop(tokens_left, tokens, stop_ids, xp=np):
     """``check_stop`` for a batch, as the device loop applies it (no stop strings: a batch with stop strings
     never runs several steps a call). ``tokens_left``: tokens each lane may still generate after
     ``tokens``; ``stop_ids``: every stop token of the batch (-1 padded). A lane whose request stops is
     always flagged; one whose token stops another request of the batch may be too (the host's
-    ``check_stop`` then decides), which only ends a multi-step call early."""
-    return (tokens_left <= 0) | jnp.isin(tokens, stop_ids)
+    ``check_stop`` then decides), which only ends a multi-step call early. ``xp``: ``numpy`` on the host,
+    ``jax.numpy`` inside a program."""
+    return (tokens_left <= 0) | xp.isin(tokens, stop_ids)
 
 
 @dataclass

@@ -212,12 +212,14 @@ class Scheduler:
         d = self.decode_batch
         if d is not None and len(d.rids) <= budget and (hold or not self.waiting or len(d.rids) in (R, budget)):
             n = len(d.rids)  # every running request decodes, and no waiting one can start: no pass over them
-            slots = np.full(R, -1, np.int32)
-            slots[:n] = d.slots
-            want = np.zeros(R, np.int32)
-            want[:n] = 1
+            if d.step_arrays is None:
+                slots = np.full(R, -1, np.int32)
+                slots[:n] = d.slots
+                want = np.zeros(R, np.int32)
+                want[:n] = 1
+                d.step_arrays = slots, want
             multi = not self.waiting or n in (R, budget)
-            return SchedulerOutput(d.rids, d.requests, slots, want, n, n, [], self._changes([]), d, multi)
+            return SchedulerOutput(d.rids, d.requests, *d.step_arrays, n, n, [], self._changes([]), d, multi)
         decoding: list[tuple[int, int]] = []  # (request id, tokens)
         chunked: list[tuple[int, int]] = []
         requests = self.requests
