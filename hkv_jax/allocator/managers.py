@@ -44,7 +44,7 @@ def release_row(layout: Layout, g: int, row, length, retired, last_state, comput
     Returns (row, retired, released ``i32[2, M]``): the blocks to release as up to two free calls in
     order (the second only for a Mamba group's previous state block).
     """
-    spec, bs = layout.groups[g].spec, layout.block_size
+    spec, bs = layout.groups[g].spec, layout.block_sizes[g]
     idx = jnp.arange(row.shape[0])
     skip = skipped_tokens(spec, computed)
     sb = jnp.where(skip > 0, jnp.minimum(skip // bs, length), 0)
@@ -73,7 +73,7 @@ def allocation(layout: Layout, g: int, held, main, need, last_state):
     a Mamba group takes one block, the state after the last block boundary, and remembers the
     previous state block (released once the next is computed).
     """
-    bs = layout.block_size
+    bs = layout.block_sizes[g]
     if layout.is_mamba(g):
         required = cdiv(main, bs)
         grow = required > held
@@ -89,8 +89,9 @@ def _first_false(mask: jax.Array, start: jax.Array | int = 0) -> jax.Array:
     return jnp.min(jnp.where((idx >= start) & ~mask, idx, mask.shape[0]))
 
 
-def hit_blocks(spec, bs: int, found: jax.Array, all_found: jax.Array, max_len: jax.Array):
-    """Longest hit of one spec group within ``max_len`` tokens.
+def hit_blocks(spec, bs: int, unit: int, found: jax.Array, all_found: jax.Array, max_len: jax.Array):
+    """Longest hit of one spec group (block size ``bs``) within ``max_len`` tokens, ending on a multiple
+    of ``unit`` tokens (the scheduling unit: the lcm of every group's block size).
 
     ``found``: ``i32[k, H]`` cached block per group of the spec group and block
     index (0 = miss); ``all_found``: ``bool[H]`` every group hits. Returns
@@ -99,24 +100,25 @@ def hit_blocks(spec, bs: int, found: jax.Array, all_found: jax.Array, max_len: j
     H = all_found.shape[0]
     idx = jnp.arange(H)
     nmax = max_len // bs
+    segment = unit // bs  # blocks per scheduling unit
     if isinstance(spec, SlidingWindowSpec):
         need = max(cdiv(spec.sliding_window - 1, bs), 1)
         last_miss = jax.lax.cummax(jnp.where(all_found, -1, idx))
         run = idx - last_miss  # consecutive hits ending at each index
-        ends = (run >= need) & (idx < nmax)
+        ends = (run >= need) & (idx < nmax) & ((idx + 1) % segment == 0)
         best = jnp.max(jnp.where(ends, idx, -1))
-        lead = jnp.minimum(_first_false(all_found), nmax)
+        lead = jnp.minimum(_first_false(all_found), nmax) // segment * segment
         nblocks = jnp.where(best >= 0, best + 1, lead)
         lo = jnp.where(best >= 0, best + 1 - need, 0)
         keep = (idx >= lo) & (idx < nblocks)
     elif isinstance(spec, MambaSpec):
-        best = jnp.max(jnp.where(all_found & (idx < nmax), idx, -1))
+        best = jnp.max(jnp.where(all_found & (idx < nmax) & ((idx + 1) % segment == 0), idx, -1))
         nblocks = best + 1
         keep = idx == best
     else:
         start = 0
         if isinstance(spec, ChunkedLocalSpec):
             start = jnp.where(max_len > 0, max_len // spec.attention_chunk_size * spec.attention_chunk_size // bs, 0)
-        nblocks = jnp.minimum(_first_false(all_found, start), nmax)
+        nblocks = jnp.minimum(_first_false(all_found, start), nmax) // segment * segment
         keep = (idx >= start) & (idx < nblocks)
     return jnp.where(keep[None, :], found, 0), nblocks * bs

@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hkv_jax.allocator import block_pool, free_queue, prefix_cache
-from hkv_jax.allocator.coordinator import cached_this_step, lookup, schedule_batch, token_counts
+from hkv_jax.allocator.coordinator import cached_this_step, fit_width, lookup, schedule_batch, token_counts
 from hkv_jax.allocator.managers import allocation, skipped_tokens
 from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout, cond_mutable, counter
 
@@ -19,7 +20,7 @@ SORTED_HIT_LENGTHS = 8
 def computes_shared_block(hashes: jax.Array, nhit: jax.Array, nfull: jax.Array) -> jax.Array:
     """Whether two requests of a prefill compute a block with the same hash (the later one would hit the
     earlier one's). ``hashes: u32[B, H, 4]`` their block hashes; request ``i`` computes (and caches)
-    blocks ``nhit[i]`` to ``nfull[i] - 1``.
+    the blocks keyed by hashes ``nhit[i]`` to ``nfull[i] - 1`` (hash units).
 
     Requests ``i`` and ``j`` share a computed block iff their hashes agree at ``max(nhit_i, nhit_j)``
     (hashes chain: agreeing at a block means agreeing at every block before it). All ``B * B`` pairs
@@ -53,6 +54,22 @@ def computes_shared_block(hashes: jax.Array, nhit: jax.Array, nfull: jax.Array) 
     return jax.lax.cond(candidate, all_pairs, lambda: jnp.bool_(False))
 
 
+def by_hash(layout: Layout, blocks: jax.Array, H: int) -> jax.Array:
+    """``[..., G, H]``: ``blocks: [..., G, M]`` (by each group's block index) placed at the hash index that
+    keys each block (``Layout.key_index``), 0 at hashes that key no block of the group."""
+    if layout.one_block_size and layout.hash_block_size == layout.block_sizes[0]:
+        return fit_width(blocks, H)
+    M = blocks.shape[-1]
+    at = []
+    for g in range(layout.num_groups):
+        k = layout.hashes_per_block(g)
+        j = np.arange(H)
+        at.append(np.where((j + 1) % k == 0, (j + 1) // k - 1, M))            # M: no block (filled with 0)
+    at = jnp.asarray(np.stack(at))                                            # [G, H]
+    return jnp.take_along_axis(blocks, jnp.broadcast_to(at, blocks.shape[:-1] + (H,)), axis=-1, mode="fill",
+                               fill_value=0)
+
+
 def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fallback: bool = True, mask=None):
     """``schedule_batch`` for waiting requests (first schedule: prefix lookup + allocation + caching),
     vectorised over the batch: one lookup for every request, one pop for every new block, one
@@ -69,7 +86,7 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     Returns (state, ok ``bool[B]``, new tokens ``i32[B]``, cache-hit tokens ``i32[B]``, whether
     the vectorised path ran).
     """
-    bs, G, M, R = layout.block_size, layout.num_groups, layout.max_blocks, layout.max_requests
+    G, M, R = layout.num_groups, layout.max_blocks, layout.max_requests
     B = slots.shape[0]
     if mask is None:
         mask = jnp.ones(B, bool)
@@ -85,19 +102,20 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     )  # [B, G, H] entry ids
     hit_blocks, h, _ = jax.vmap(lambda s, f: lookup(layout, state, s, f))(slots, key_slots)  # [B, G, H]
     h = jnp.where(mask, h, 0)
-    hits = jnp.pad(hit_blocks, ((0, 0), (0, 0), (0, M - H)))               # [B, G, M]
+    hits = fit_width(hit_blocks, M)                                           # [B, G, M]
     counts = state.counts[slots]                                              # [B, 3 + 4G]
     C, T = counter(counts, "num_computed"), counter(counts, "num_tokens")
-    n, computed, main, need, nfull = token_counts(layout, C, T, h, num_tokens)
+    n, computed, main, need, cached = token_counts(layout, C, T, h, num_tokens)
     n = jnp.where(mask, n, 0)
-    nhit = h // bs
-    nfull = jnp.where(mask, nfull, nhit)                                      # masked lanes compute nothing
+    cached = jnp.where(mask, cached, h)                                       # masked lanes compute nothing
+    bsz = jnp.array(layout.block_sizes, jnp.int32)
+    nhit, nfull = h[:, None] // bsz, cached[:, None] // bsz                   # [B, G]
 
     rows, cnt, first, lens, last = [], [], [], [], []
     for g in range(G):
-        skipped = skipped_tokens(layout.groups[g].spec, computed) // bs
-        rows.append(jnp.where((idx[None] >= skipped[:, None]) & (idx[None] < nhit[:, None]), hits[:, g], 0))
-        c, f, length, ls = allocation(layout, g, nhit, main, need, jnp.full(B, -1, jnp.int32))
+        skipped = skipped_tokens(layout.groups[g].spec, computed) // layout.block_sizes[g]
+        rows.append(jnp.where((idx[None] >= skipped[:, None]) & (idx[None] < nhit[:, None, g]), hits[:, g], 0))
+        c, f, length, ls = allocation(layout, g, nhit[:, g], main, need, jnp.full(B, -1, jnp.int32))
         cnt.append(jnp.where(mask, c, 0))
         first.append(f)
         lens.append(length)
@@ -109,8 +127,8 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     pool, cache = state.block_pool.free_queue, state.block_pool.prefix_cache
     held = pool.ref_count[rows] > 0
     mamba_g = jnp.array([layout.is_mamba(g) for g in range(G)])
-    last_hit = jnp.take_along_axis(rows, jnp.maximum(nhit - 1, 0)[:, None, None], axis=2)[:, :, 0]  # [B, G]
-    stale = mamba_g[None] & (nhit[:, None] > 0) & cached_this_step(layout, state, last_hit)
+    last_hit = jnp.take_along_axis(rows, jnp.maximum(nhit - 1, 0)[:, :, None], axis=2)[:, :, 0]  # [B, G]
+    stale = mamba_g[None] & (nhit > 0) & cached_this_step(layout, state, last_hit)
     max_new = B * G * M
     pop = free_queue.pop_plan(pool, total, max_new)
     fast = (
@@ -118,7 +136,7 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
         & jnp.all((counter(counts, "table_len") == 0) | ~mask[:, None])
         & jnp.all((n > 0) | ~mask)
         & jnp.all(held | (rows == 0))
-        & ~computes_shared_block(hashes, nhit, nfull)
+        & ~computes_shared_block(hashes, h // layout.hash_block_size, cached // layout.hash_block_size)
         & ~jnp.any(stale)
         & (total <= pool.num_free)
         & pop.enough
@@ -129,7 +147,8 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
     k = idx[None, None] - first[:, :, None]
     fresh = (k >= 0) & (k < cnt[:, :, None])
     rows = jnp.where(fresh, pop.ids[jnp.clip(offset[:, :, None] + k, 0, max_new - 1)], rows)
-    new_cached = (idx[None, None] >= nhit[:, None, None]) & (idx[None, None] < nfull[:, None, None]) & (rows > 0)
+    reachable = jnp.asarray(np.stack([layout.reachable(g, M) for g in range(G)]))
+    new_cached = (idx[None, None] >= nhit[:, :, None]) & (idx[None, None] < nfull[:, :, None]) & (rows > 0) & reachable
 
     def vectorised(state: AllocatorState):
         touched = jnp.where(fresh, 0, rows)
@@ -139,7 +158,7 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
         c = prefix_cache.evict_alone(block_pool.mark_hit(state.block_pool.prefix_cache, touched), pop.ids)
         # A hash the lookup found is gone if the pop evicted its slot's last entry: a tombstone now.
         found = jnp.where((hash_slots >= 0) & (c.used[jnp.maximum(hash_slots, 0)] > 0), hash_slots, -1)
-        new_rows = jnp.swapaxes(jnp.where(new_cached, rows, 0)[:, :, :H], 1, 2)  # [B, H, G]: a row per hash
+        new_rows = jnp.swapaxes(by_hash(layout, jnp.where(new_cached, rows, 0), H), 1, 2)  # [B, H, G]: a row per hash
         c = prefix_cache.insert_rows(c, new_rows.reshape(B * H, G), hashes.reshape(-1, 4), found=found.reshape(-1))
         marked = jnp.where(new_cached & mamba_g[None, :, None], rows, 0)
         step_cached = state.step_cached.at[layout.step_cached_index(c, marked)].set(True, mode="drop")
@@ -148,7 +167,7 @@ def prefill_batch(layout: Layout, state: AllocatorState, slots, num_tokens, fall
             block_pool=block_pool.BlockPool(free_queue=p, prefix_cache=c),
             step_cached=step_cached,
             tables=state.tables.at[at].set(rows, mode="drop"),
-        ).with_counters(at, status=RUNNING, table_len=jnp.stack(lens, 1), num_cached=jnp.maximum(nhit, nfull)[:, None],
+        ).with_counters(at, status=RUNNING, table_len=jnp.stack(lens, 1), num_cached=jnp.maximum(nhit, nfull),
                         last_state=jnp.stack(last, 1), num_computed=C + h + n)
         return st, (mask, n, h)
 

@@ -39,7 +39,7 @@ def add_request(layout: Layout, state: AllocatorState, slot, tokens, num_tokens,
     valid = jnp.arange(layout.max_model_len) < num_tokens
     tokens = jnp.where(valid, tokens, 0)
     salt = jnp.asarray(salt, jnp.uint32).reshape(1)
-    hashes = block_hashes(tokens, layout.block_size, salt, _NO_EXTRA)
+    hashes = block_hashes(tokens, layout.hash_block_size, salt, _NO_EXTRA)
     state = _clear_tables(state, slot, status=WAITING, num_tokens=num_tokens, num_computed=0)
     return replace(
         state,
@@ -67,7 +67,7 @@ def admit_batch(layout: Layout, state: AllocatorState, slots, prompts, lens, sal
     prompts, not ``max_model_len``. Same allocator state as ``add_request`` per admission, except
     tokens and hashes past a request's ``num_tokens``, which nothing reads.
     """
-    R, bs = layout.max_requests, layout.block_size
+    R, bs = layout.max_requests, layout.hash_block_size
     A, Pn = slots.shape[0], prompts.shape[0]
     lens = jnp.where(slots >= 0, lens, 0)
     at = jnp.where(slots >= 0, slots, R)                                   # dropped writes
@@ -104,7 +104,7 @@ def append_token(layout: Layout, state: AllocatorState, slot, token) -> Allocato
 def append_batch(layout: Layout, state: AllocatorState, slots, tokens, mask=None) -> AllocatorState:
     """Append ``tokens[i]`` to the request in ``slots[i]`` (distinct) where ``mask`` (default: all);
     the blocks they fill are hashed, in one vectorised update."""
-    bs, R = layout.block_size, layout.max_requests
+    bs, R = layout.hash_block_size, layout.max_requests
     if mask is None:
         mask = jnp.ones(slots.shape, bool)
     at = jnp.where(mask, slots, R)
@@ -180,16 +180,19 @@ def release_batch(layout: Layout, state: AllocatorState, free: jax.Array, preemp
 def fork(layout: Layout, state: AllocatorState, src, dst) -> AllocatorState:
     """Start request ``dst`` as a copy of ``src`` (parallel sampling, beam search).
 
-    The child shares ``src``'s full blocks (their ref counts rise by one) and
-    has computed exactly those tokens; the tokens of ``src``'s partial last
-    block are recomputed by the child's next ``schedule`` into its own block,
-    so no block is ever written by two requests. ``dst`` must be empty.
-    Attention groups only (a Mamba state cannot be shared half-way).
+    The child shares ``src``'s full blocks up to the last multiple of the
+    scheduling unit (their ref counts rise by one) and has computed exactly
+    those tokens; the tokens after them are recomputed by the child's next
+    ``schedule`` into its own blocks, so no block is ever written by two
+    requests. ``dst`` must be empty. Attention groups only (a Mamba state
+    cannot be shared half-way).
     """
     if layout.mamba_groups:
         raise ValueError("fork does not support Mamba groups")
-    nfull = jnp.where(state.status[src] == RUNNING, state.num_computed[src] // layout.block_size, 0)
-    keep = jnp.arange(layout.max_blocks) < nfull
+    unit = layout.scheduler_block_size
+    shared = jnp.where(state.status[src] == RUNNING, state.num_computed[src] // unit * unit, 0)
+    nfull = shared // jnp.array(layout.block_sizes, jnp.int32)         # i32[G]
+    keep = jnp.arange(layout.max_blocks)[None, :] < nfull[:, None]
     rows = jnp.where(keep, state.tables[src], 0)                       # i32[G, M]
     held = jnp.where(rows > 0, rows, layout.num_blocks).reshape(-1)
     pool = replace(
@@ -203,8 +206,8 @@ def fork(layout: Layout, state: AllocatorState, src, dst) -> AllocatorState:
         block_pool=replace(state.block_pool, free_queue=pool),
         tokens=copy(state.tokens), salt=copy(state.salt), hashes=copy(state.hashes),
         tables=state.tables.at[dst].set(rows),
-    ).with_counters(dst, status=jnp.where(nfull > 0, RUNNING, WAITING), num_tokens=state.num_tokens[src],
-                    num_computed=nfull * layout.block_size, table_len=nfull, last_state=-1, retired=0,
+    ).with_counters(dst, status=jnp.where(shared > 0, RUNNING, WAITING), num_tokens=state.num_tokens[src],
+                    num_computed=shared, table_len=nfull, last_state=-1, retired=0,
                     num_cached=jnp.minimum(state.num_cached[src], nfull))
 
 

@@ -3,7 +3,11 @@
 Shapes are fixed by a ``Layout`` (static): ``R`` request slots, ``G`` allocator
 groups (the KV cache groups, a Mamba group whose state spans ``k`` pages
 counted ``k`` times), ``M`` table entries per request and group, ``N`` blocks,
-``T`` tokens per request (``max_model_len``), ``H = T // block_size`` block hashes.
+``T`` tokens per request (``max_model_len``), ``H = T // hash_block_size`` block hashes.
+
+Groups may have different block sizes (``docs/allocator.md``, "Groups with different block sizes"): one
+hash every ``hash_block_size`` tokens (their gcd), a group's block keyed by the hash at its end, hits and
+caching cut to multiples of ``scheduler_block_size`` (their lcm). With one block size both units are it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hkv_jax.allocator import block_pool
 from hkv_jax.planner import KVCacheConfig, cdiv
@@ -94,11 +99,13 @@ class Layout:
     groups: tuple  # tuple[KVCacheGroup, ...]: the allocator groups (KVCacheConfig.allocator_groups)
     parts: tuple[tuple[int, ...], ...]  # the allocator groups of each KV cache group
     num_blocks: int
-    block_size: int
+    block_sizes: tuple[int, ...]  # tokens per block of each allocator group
+    hash_block_size: int  # tokens per block hash: the gcd of the block sizes
+    scheduler_block_size: int  # hits and caching are cut to multiples of this: the lcm of the block sizes
     max_model_len: int
     max_requests: int
     max_blocks: int  # table entries per request and group
-    spec_groups: tuple[tuple[int, ...], ...]  # groups looked up together; full attention first
+    spec_groups: tuple[tuple[int, ...], ...]  # groups looked up together (same spec and block size); full first
     simple_hybrid: bool  # exactly two spec groups, the first full attention: one coordinator pass
     # Our policy, off in vLLM mode: blocks a sliding-window / chunked-local group releases as they
     # leave the window go to the front of the free queue (evicted first), not the back.
@@ -107,31 +114,30 @@ class Layout:
     @staticmethod
     def from_config(cfg: KVCacheConfig, max_model_len: int, max_requests: int,
                     window_aware_eviction: bool = False) -> "Layout":
-        """The layout of ``cfg``; raises ``ValueError`` for what the jitted allocator does not support yet."""
-        sizes = {g.block_size for g in cfg.groups}
-        if len(sizes) != 1:
-            raise ValueError(f"the jitted allocator needs one block size for all groups, got {sorted(sizes)}")
+        """The layout of ``cfg``; raises ``ValueError`` for bad sizes."""
         if max_requests < 1 or max_model_len < 1:
             raise ValueError("max_requests and max_model_len must be positive")
         groups, parts = cfg.allocator_groups()
         spec_groups: list[list[int]] = []
         for g in groups:
             for sg in spec_groups:
-                if groups[sg[0]].spec == g.spec:
+                if groups[sg[0]].spec == g.spec and groups[sg[0]].block_size == g.block_size:
                     sg.append(g.group_id)
                     break
             else:
                 spec_groups.append([g.group_id])
         spec_groups.sort(key=lambda sg: not isinstance(groups[sg[0]].spec, FullAttentionSpec))
-        bs = sizes.pop()
+        sizes = tuple(g.block_size for g in groups)
         return Layout(
             groups=groups,
             parts=parts,
             num_blocks=cfg.num_blocks,
-            block_size=bs,
+            block_sizes=sizes,
+            hash_block_size=cfg.hash_block_size,
+            scheduler_block_size=cfg.scheduler_block_size,
             max_model_len=max_model_len,
             max_requests=max_requests,
-            max_blocks=cdiv(max_model_len, bs) + 1,
+            max_blocks=cdiv(max_model_len, min(sizes)) + 1,
             spec_groups=tuple(tuple(sg) for sg in spec_groups),
             simple_hybrid=len(spec_groups) == 2 and isinstance(groups[spec_groups[0][0]].spec, FullAttentionSpec),
             window_aware_eviction=window_aware_eviction,
@@ -141,6 +147,40 @@ class Layout:
     def num_groups(self) -> int:
         """G: allocator groups (a Mamba group whose state spans k pages counts k times)."""
         return len(self.groups)
+
+    @property
+    def one_block_size(self) -> bool:
+        """Whether every group has the same block size (then block and hash indices coincide)."""
+        return len(set(self.block_sizes)) == 1
+
+    @property
+    def num_hashes(self) -> int:
+        """H: block hashes per request."""
+        return self.max_model_len // self.hash_block_size
+
+    def hashes_per_block(self, g: int) -> int:
+        """k: hash units in one block of group ``g``."""
+        return self.block_sizes[g] // self.hash_block_size
+
+    def key_index(self, g: int, n: int) -> np.ndarray:
+        """``i32[n]``: the hash index that keys each of group ``g``'s first ``n`` blocks (the hash at the
+        block's end, ``(i + 1) k - 1``), clipped to the hashes there are; ``key_valid`` says which exist."""
+        return np.minimum((np.arange(n) + 1) * self.hashes_per_block(g) - 1, self.num_hashes - 1).astype(np.int32)
+
+    def key_valid(self, g: int, n: int) -> np.ndarray:
+        """``bool[n]``: which of group ``g``'s first ``n`` blocks have a hash (``key_index``)."""
+        return (np.arange(n) + 1) * self.hashes_per_block(g) <= self.num_hashes
+
+    def reachable(self, g: int, n: int) -> np.ndarray:
+        """``bool[n]``: which of group ``g``'s first ``n`` blocks can ever serve a hit, so are cached (dense
+        retention). Hits end on multiples of the scheduling unit, and a sliding window that needs fewer
+        blocks than one unit holds is only looked up from there: only its last blocks before each
+        multiple can serve one. Every block elsewhere."""
+        spec, bs = self.groups[g].spec, self.block_sizes[g]
+        if not isinstance(spec, SlidingWindowSpec):
+            return np.ones(n, bool)
+        segment = self.scheduler_block_size // bs
+        return np.arange(n) % segment >= segment - max(cdiv(spec.sliding_window - 1, bs), 1)
 
     def config_tables(self, tables):
         """Per-KV-cache-group tables ``[..., M * k]`` from ``tables: [..., G, M]`` (numpy or jax).
@@ -239,7 +279,7 @@ def init_state(layout: Layout) -> AllocatorState:
         counts=set_counters(jnp.zeros((R, _num_counters(G)), jnp.int32), slice(None), last_state=-1),
         tokens=jnp.zeros((R, T), jnp.int32),
         salt=jnp.zeros((R, 1), jnp.uint32),
-        hashes=jnp.zeros((R, T // layout.block_size, 4), jnp.uint32),
+        hashes=jnp.zeros((R, layout.num_hashes, 4), jnp.uint32),
         tables=jnp.zeros((R, G, M), jnp.int32),
     )
 

@@ -51,7 +51,7 @@ def fork(runner: ModelRunner, scheduler: Scheduler, rid: int, seed: int | None) 
     runner.fork(parent.slot, slot)
     child = copy.deepcopy(parent)
     child.rid, child.slot, child.params = scheduler.next_id, slot, replace(parent.params, seed=seed)
-    child.computed = parent.computed // layout.block_size * layout.block_size
+    child.computed = parent.computed // layout.scheduler_block_size * layout.scheduler_block_size
     scheduler.next_id += 1
     scheduler.add_running(child)
     return child.rid

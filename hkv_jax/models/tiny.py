@@ -5,7 +5,11 @@ sliding-window / chunked-local attention or a Mamba-2 mixer as the layer
 specs say, plus the family's options: QK-norm and Gemma 2 soft-caps
 (``gemma3_text``), attention sinks (``gpt_oss``), NoPE global layers
 (``llama4_text``, ``no_rope_layers``), Mamba-2 layers (``mamba_n_heads``
-and friends; Jamba-like layouts). Every model has two forward passes:
+and friends; Jamba-like layouts), Gemma 4's full-attention layers with a KV
+shape of their own (``global_head_dim``, ``num_global_key_value_heads``;
+keys used as values with ``attention_k_eq_v``) and KV sharing (the last
+``num_kv_shared_layers`` layers read an earlier layer's KV). Every model has
+two forward passes:
 
 - ``dense(tokens)``: uncached attention and recurrences over the whole
   sequence (the oracle);
@@ -29,7 +33,7 @@ from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
 from hkv_jax.models.layers import capped, dense_attention, rope
 from hkv_jax.models.mamba2 import Mamba2, Mamba2Config
-from hkv_jax.spec import ChunkedLocalSpec, KVSharingSpec, LayerSpec, MambaSpec, SlidingWindowSpec
+from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, KVSharingSpec, LayerSpec, MambaSpec, SlidingWindowSpec
 
 
 @dataclass(frozen=True)
@@ -50,14 +54,15 @@ class TinyConfig:
     rope: tuple[bool, ...] = ()
     rope_theta: float = 10000.0
     mamba: Mamba2Config | None = None
+    global_head_dim: int | None = None  # full-attention layers' head size (None: head_dim)
+    num_global_kv_heads: int | None = None  # full-attention layers' KV heads (None: num_kv_heads)
+    k_eq_v: bool = False  # full-attention layers use their keys as values (no value projection)
 
     @classmethod
     def from_hf(cls, config: dict[str, Any], kv_dtype: str = "float32") -> "TinyConfig":
         """The decoder a Hugging Face-style config dict describes (attention and Mamba-2 layers)."""
         cfg = text_config(config)
         layers = layers_from_hf_config(config, dtype=kv_dtype)
-        if any(isinstance(l, KVSharingSpec) for l in layers):
-            raise ValueError("tiny models do not support KV sharing")
         mamba = None
         if any(isinstance(l, MambaSpec) for l in layers):
             if "mamba_n_heads" not in cfg:
@@ -74,48 +79,78 @@ class TinyConfig:
             intermediate_size=cfg["intermediate_size"], num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            layers=tuple(layers), qk_norm=family.startswith("gemma3"),
+            layers=tuple(layers), qk_norm=family.startswith(("gemma3", "gemma4")),
             attn_soft_cap=cfg.get("attn_logit_softcapping"), final_soft_cap=cfg.get("final_logit_softcapping"),
             sinks=family == "gpt_oss", rope=rope, rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            mamba=mamba)
+            mamba=mamba, global_head_dim=cfg.get("global_head_dim"),
+            num_global_kv_heads=cfg.get("num_global_key_value_heads"), k_eq_v=bool(cfg.get("attention_k_eq_v")))
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose KV layer ``i`` attends over: itself, or the target of a KV-sharing layer."""
+        spec = self.layers[i]
+        if isinstance(spec, KVSharingSpec):
+            return next(j for j, l in enumerate(self.layers) if l.name == spec.target)
+        return i
+
+    def is_global(self, i: int) -> bool:
+        """Whether layer ``i`` (or the layer whose KV it reads) is a full-attention layer."""
+        return isinstance(self.layers[self.kv_source(i)], FullAttentionSpec)
+
+    def head_shape(self, i: int) -> tuple[int, int]:
+        """(KV heads, head size) of layer ``i``: full-attention layers may have their own (Gemma 4)."""
+        if self.is_global(i):
+            return self.num_global_kv_heads or self.num_kv_heads, self.global_head_dim or self.head_dim
+        return self.num_kv_heads, self.head_dim
 
     def window(self, i: int) -> tuple[int | None, int | None]:
         """(sliding window, chunk size) of layer ``i``."""
-        spec = self.layers[i]
+        spec = self.layers[self.kv_source(i)]
         return (spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
                 spec.attention_chunk_size if isinstance(spec, ChunkedLocalSpec) else None)
 
 
 class Attention(nnx.Module):
-    """One attention layer; its KV lives in the cache under ``name``."""
+    """One attention layer; its KV lives in the cache under ``name`` (a KV-sharing layer has no K and V
+    projections of its own: it attends over its target's)."""
 
     def __init__(self, cfg: TinyConfig, index: int, rngs: nnx.Rngs):
         self.cfg, self.index, self.name = cfg, index, cfg.layers[index].name
-        h, d = cfg.hidden_size, cfg.head_dim
+        self.kv_heads, d = cfg.head_shape(index)
+        self.head_dim, h = d, cfg.hidden_size
+        self.owns_kv = cfg.kv_source(index) == index
+        self.v_is_k = cfg.k_eq_v and cfg.is_global(index)
         self.q = nnx.Linear(h, cfg.num_heads * d, use_bias=False, rngs=rngs)
-        self.k = nnx.Linear(h, cfg.num_kv_heads * d, use_bias=False, rngs=rngs)
-        self.v = nnx.Linear(h, cfg.num_kv_heads * d, use_bias=False, rngs=rngs)
+        self.k = nnx.Linear(h, self.kv_heads * d, use_bias=False, rngs=rngs) if self.owns_kv else None
+        self.v = nnx.Linear(h, self.kv_heads * d, use_bias=False, rngs=rngs) if self.owns_kv and not self.v_is_k else None
         self.o = nnx.Linear(cfg.num_heads * d, h, use_bias=False, rngs=rngs)
         self.q_norm = nnx.RMSNorm(d, rngs=rngs) if cfg.qk_norm else None
-        self.k_norm = nnx.RMSNorm(d, rngs=rngs) if cfg.qk_norm else None
+        self.k_norm = nnx.RMSNorm(d, rngs=rngs) if cfg.qk_norm and self.owns_kv else None
         self.sinks = nnx.Param(jax.random.normal(rngs.params(), (cfg.num_heads,))) if cfg.sinks else None
 
     def _qkv(self, x, positions):
-        cfg = self.cfg
-        q = self.q(x).reshape(-1, cfg.num_heads, cfg.head_dim)
-        k = self.k(x).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v(x).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if not cfg.rope or cfg.rope[self.index]:
-            q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
-        return q, k, v
+        """Queries, and keys and values (``None`` for a KV-sharing layer)."""
+        cfg, d = self.cfg, self.head_dim
+        rotate = not cfg.rope or cfg.rope[self.index]
+        q = self.q(x).reshape(-1, cfg.num_heads, d)
+        q = q if self.q_norm is None else self.q_norm(q)
+        q = rope(q, positions, cfg.rope_theta) if rotate else q
+        if not self.owns_kv:
+            return q, None, None
+        raw = self.k(x).reshape(-1, self.kv_heads, d)
+        v = raw if self.v_is_k else self.v(x).reshape(-1, self.kv_heads, d)  # keys as values: before norm and RoPE
+        k = raw if self.k_norm is None else self.k_norm(raw)
+        return q, rope(k, positions, cfg.rope_theta) if rotate else k, v
 
     def _sinks(self):
         return None if self.sinks is None else self.sinks[...]
 
-    def dense(self, x):
+    def dense(self, x, kv: dict[int, tuple[jax.Array, jax.Array]]):
+        """Uncached attention over the whole sequence; ``kv`` holds each KV-owning layer's keys and values
+        by index (this layer adds its own; a KV-sharing layer reads its target's)."""
         q, k, v = self._qkv(x, jnp.arange(x.shape[0]))
+        if self.owns_kv:
+            kv[self.index] = k, v
+        k, v = kv[self.cfg.kv_source(self.index)]
         window, chunk = self.cfg.window(self.index)
         out = dense_attention(q, k, v, window=window, chunk=chunk, soft_cap=self.cfg.attn_soft_cap,
                               sinks=self._sinks())
@@ -145,9 +180,10 @@ class Block(nnx.Module):
         h = self.mlp_norm(x)
         return x + self.down(jax.nn.gelu(self.gate(h)) * self.up(h))
 
-    def dense(self, x):
-        """The block over one whole sequence, uncached."""
-        return self.mlp(x + self.mixer.dense(self.mixer_norm(x)))
+    def dense(self, x, kv: dict):
+        """The block over one whole sequence, uncached (``kv``: ``Attention.dense``'s)."""
+        h = self.mixer_norm(x)
+        return self.mlp(x + (self.mixer.dense(h) if isinstance(self.mixer, Mamba2) else self.mixer.dense(h, kv)))
 
     def paged(self, x, positions, cache: KVCache, metadata: AttentionMetadata, impl: str):
         """The block over a ragged batch, through the paged cache."""
@@ -178,9 +214,9 @@ class TinyLM(nnx.Module):
     def hidden(self, tokens: jax.Array) -> jax.Array:
         """The last layer's hidden states ``[L, hidden]`` of one whole sequence ``i32[L]``, without any cache
         (``logits`` turns them into logits)."""
-        x = self._embed(tokens)
+        x, kv = self._embed(tokens), {}
         for b in self.blocks:
-            x = b.dense(x)
+            x = b.dense(x, kv)
         return x
 
     def dense(self, tokens: jax.Array) -> jax.Array:
@@ -191,11 +227,11 @@ class TinyLM(nnx.Module):
                      ) -> dict[str, tuple[jax.Array, jax.Array]]:
         """The Mamba state ``(conv, ssm)`` of every Mamba layer (by name) after the first ``length``
         (default: all) tokens, uncached."""
-        x, states = self._embed(tokens), {}
+        x, states, kv = self._embed(tokens), {}, {}
         for b in self.blocks:
             if isinstance(b.mixer, Mamba2):
                 states[b.mixer.name] = b.mixer.dense_state(b.mixer_norm(x), length)
-            x = b.dense(x)
+            x = b.dense(x, kv)
         return states
 
     def paged(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, metadata: AttentionMetadata,
