@@ -1,10 +1,11 @@
 """Allocator step time: B requests with 2048-token random prompts, one prefill, then 32 decode steps.
 
 The workload of ``shared/tools/vllm_oracle/replay.py --bench`` (vLLM 0.33's KVCacheManager), run through
-hkv-jax's jitted allocator: block size 16, prefix caching on, ``vllm`` planner policy, pool sized by the
-oracle's formula. Prefill = lookup + allocate of the whole prompt for every request (one ``prefill_batch``
-program; it reports whether its vectorised path ran); a decode step = every request allocates one more token (one
-``decode_step`` program; it reports which path ran: token count only, vectorised, or the sequential fallback).
+hkv-jax's jitted allocator: block size 16, prefix caching on, ``vllm`` planner policy (or ``--policy``), pool sized
+by the oracle's formula (under another policy: the same bytes). Prefill = lookup + allocate of the whole prompt
+for every request (one ``prefill_batch`` program; it reports whether its vectorised path ran); a decode step =
+every request allocates one more token (one ``decode_step`` program; it reports which path ran: token count
+only, vectorised, or the sequential fallback).
 Both programs are compiled without their sequential fallback (``fallback=False``: a smaller program, a
 cheaper call); where one could not vectorise, ``schedule_batch`` runs as a second program within the timing.
 A decode step first runs ``idle_decode`` (a read-only check of whether the step only counts the token, the
@@ -12,8 +13,10 @@ usual step, with the state it would leave); when a block moves the whole ``decod
 timing.
 Times are wall clock after compilation, with ``block_until_ready``; decode is the median of the 32 steps,
 prefill the median of ``--repeats`` fresh prefills after an untimed one. Run:
-``python benchmarks/allocator_step.py [--models full32,gemma3,gptoss] [--batch 64,256,1024] [--malloc-hugepages]
-[--json]``.
+``python benchmarks/allocator_step.py [--models full32,gemma3,gptoss,gemma4] [--batch 64,256,1024]
+[--policy vllm|min-waste] [--malloc-hugepages] [--json]``. The models are ``bench_models.py``'s; gemma4 has
+groups of 16 and 32 tokens per block under ``vllm`` (hits and caching on 32-token boundaries), one block
+size under ``min-waste`` (two full-attention layers share a page slot).
 """
 
 from __future__ import annotations
@@ -30,44 +33,36 @@ import jax
 import jax.numpy as jnp
 import machine
 import numpy as np
+from bench_models import MODELS
 
 from hkv_jax.allocator import ops
 from hkv_jax.allocator.decode import DecodePath
 from hkv_jax.allocator.state import Layout, init_state
-from hkv_jax.planner import cdiv, plan
+from hkv_jax.planner import POLICIES, cdiv, plan
 from hkv_jax.spec import layers_from_trace
 
 PROMPT, DECODE, BS = 2048, 32, 16
 COMPARE_STEPS = 96  # decode steps per protocol with --compare-one-program
-MODELS = {
-    "full32": [{"type": "full", "num_kv_heads": 8, "head_size": 128, "dtype": "bfloat16"}],
-    "gemma3": [
-        {"type": "sliding_window", "sliding_window": 1024, "num_kv_heads": 16, "head_size": 128, "dtype": "bfloat16"}
-    ]
-    * 5
-    + [{"type": "full", "num_kv_heads": 16, "head_size": 128, "dtype": "bfloat16"}],
-    "gptoss": [
-        {"type": "sliding_window", "sliding_window": 128, "num_kv_heads": 8, "head_size": 64, "dtype": "bfloat16"},
-        {"type": "full", "num_kv_heads": 8, "head_size": 64, "dtype": "bfloat16"},
-    ],
-}
-NUM_LAYERS = {"full32": 32, "gemma3": 62, "gptoss": 36}
 HUGEPAGES = "glibc.malloc.hugetlb=1"
 
 
 def model_layers(name: str):
-    return layers_from_trace({"layer_pattern": {"num_layers": NUM_LAYERS[name], "pattern": MODELS[name]}})
+    return layers_from_trace({"layer_pattern": MODELS[name]})
 
 
-def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, compare: bool = False) -> dict:
+def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, compare: bool = False,
+            policy: str = "vllm") -> dict:
     """One model and batch; ``compare``: also time the whole ``decode_step`` as one program per step,
     alternating with the idle-first protocol in rounds of 16 steps (``COMPARE_STEPS`` steps each)."""
     decode_steps = 2 * COMPARE_STEPS if compare else DECODE
     layers = model_layers(name)
-    groups = len(plan(layers, block_size=BS, policy="vllm", num_blocks=2).groups)
+    vllm = plan(layers, block_size=BS, policy="vllm", num_blocks=2)
     per_req = cdiv(PROMPT + decode_steps + BS, BS)
-    nb = num_blocks or batch * per_req * (groups + 1) + 64  # the oracle's pool size
-    cfg = plan(layers, block_size=BS, policy="vllm", num_blocks=nb)
+    nb = num_blocks or batch * per_req * (len(vllm.groups) + 1) + 64  # the oracle's pool size
+    if policy != "vllm" and not num_blocks:  # the same bytes
+        nb = nb * vllm.bytes_per_block // plan(layers, block_size=BS, policy=policy, num_blocks=2).bytes_per_block
+    cfg = plan(layers, block_size=BS, policy=policy, num_blocks=nb)
+    groups = len(cfg.groups)
     layout = Layout.from_config(cfg, max_model_len=PROMPT + decode_steps + 2 * BS, max_requests=batch)
     rng = np.random.default_rng(0)
     toks = np.zeros((batch, layout.max_model_len), np.int32)
@@ -135,7 +130,8 @@ def run_one(name: str, batch: int, repeats: int, num_blocks: int | None = None, 
         # Appending the sampled token (and hashing a block it fills) is not part of the step, as in vLLM's
         # measurement; wait for it, or its work would be timed with the next step.
         st = jax.block_until_ready(append(layout, st, slots, jnp.asarray(rng.integers(1, 32000, batch), jnp.int32)))
-    row = {"model": name, "batch": batch, "num_blocks": nb, "groups": groups,
+    row = {"model": name, "policy": policy, "batch": batch, "num_blocks": nb, "groups": groups,
+           "block_sizes": sorted({g.block_size for g in cfg.groups}),
             "decode_step_us": round(statistics.median(steps) * 1e6, 1),
             "decode_step_mean_us": round(statistics.mean(steps) * 1e6, 1),
             # steps per DecodePath: token count only, vectorised, vectorised (many releases), sequential
@@ -153,6 +149,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="full32,gemma3,gptoss")
     p.add_argument("--batch", default="64,256,1024")
+    p.add_argument("--policy", default="vllm", choices=POLICIES, help="the planner's policy (default: vLLM's)")
     p.add_argument("--repeats", type=int, default=5, help="prefill repetitions (median), after one warm-up")
     p.add_argument("--num-blocks", type=int, help="pool size instead of the oracle's formula (pool-growth check)")
     p.add_argument("--compare-one-program", action="store_true",
@@ -175,12 +172,13 @@ def main(argv=None) -> int:
             p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
         for b in map(int, a.batch.split(",")):
             print(f"... {m} B={b}", file=sys.stderr, flush=True)
-            rows.append(run_one(m, b, a.repeats, a.num_blocks, a.compare_one_program))
+            rows.append(run_one(m, b, a.repeats, a.num_blocks, a.compare_one_program, a.policy))
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"machine: {machine.describe()}, "
           f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
+    print(f"policy {a.policy}")
     print(f"{'model':<8} {'B':>5} {'blocks':>9} {'decode step us':>15} {'(mean)':>9} {'paths c/v/m/s':>14} "
           f"{'prefill us/req':>15} {'vectorised':>10}")
     for r in rows:

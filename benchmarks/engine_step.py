@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import machine
 import numpy as np
-from allocator_step import BS, MODELS, NUM_LAYERS, PROMPT
+from allocator_step import BS, MODELS, PROMPT
 from flax import nnx
 
 from hkv_jax.engine import Engine
@@ -84,8 +84,8 @@ class NoOpLM(nnx.Module):
 
 def workload_layers(name: str, head_size: int):
     """``allocator_step.py``'s layers of model ``name`` with heads of ``head_size`` (1 KV head each)."""
-    pattern = [{**layer, "num_kv_heads": 1, "head_size": head_size} for layer in MODELS[name]]
-    return layers_from_trace({"layer_pattern": {"num_layers": NUM_LAYERS[name], "pattern": pattern}})
+    pattern = [{**layer, "num_kv_heads": 1, "head_size": head_size} for layer in MODELS[name]["pattern"]]
+    return layers_from_trace({"layer_pattern": {**MODELS[name], "pattern": pattern}})
 
 
 def make_engine(model, layers, batch: int, decode: int, vectorised: bool, decode_steps: int = 1,

@@ -7,8 +7,9 @@ the steps where every request takes a block. ``engine_step.py``'s multi-step pat
 over the steps of their call, so its figures compare with vLLM's mean, which this script adds. It runs
 the oracle's own ``bench_one`` unchanged and only records the step times the oracle takes the median of.
 
+The models are ``bench_models.py``'s (the oracle's own, and gemma4, added to its list here).
 Run with the oracle's Python: ``~/.vllm-oracle/bin/python benchmarks/vllm_decode_mean.py
---oracle ../shared/tools/vllm_oracle [--models full32,gemma3,gptoss] [--batch 256,1024]
+--oracle ../shared/tools/vllm_oracle [--models full32,gemma3,gptoss,gemma4] [--batch 256,1024]
 [--decode-steps 32] [--repeats 3] [--json]``. Each figure is the median over the repeats (seeds 0, 1, ...).
 """
 
@@ -20,6 +21,8 @@ import statistics
 import sys
 import types
 from pathlib import Path
+
+from bench_models import MODELS
 
 
 def main(argv=None) -> int:
@@ -37,6 +40,11 @@ def main(argv=None) -> int:
         p.error("--decode-steps and --repeats: at least 1")
     sys.path.insert(0, str(Path(a.oracle).resolve()))
     import replay  # the oracle: imports vLLM (about 10 s)
+
+    for name, pattern in MODELS.items():  # ours and the oracle's must be the same workload
+        theirs = replay.BENCH_MODELS.setdefault(name, {"layer_pattern": pattern})
+        if theirs["layer_pattern"] != pattern:
+            p.error(f"model {name}: the oracle's layer pattern differs from bench_models.py's")
 
     recorded: list[list[float]] = []
 

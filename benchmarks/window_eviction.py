@@ -26,9 +26,18 @@ import numpy as np
 from hkv_jax.allocator.replay import run_trace
 
 
+def sliding_and_full(window: int) -> dict:
+    """The default model: 4 layers alternating full attention and a sliding window (2 KV heads x 64)."""
+    layer = {"num_kv_heads": 2, "head_size": 64, "dtype": "bfloat16"}
+    return {"num_layers": 4, "pattern": [{"type": "full", **layer},
+                                         {"type": "sliding_window", "sliding_window": window, **layer}]}
+
+
 def make_trace(conversations: int, turns: int, concurrency: int, question: int, answer: int, window: int,
-               block_size: int, num_blocks: int, system_prompt: int, seed: int) -> dict:
-    """The trace: chats admitted in order, a finished turn's next turn queued behind every waiting one."""
+               block_size: int, num_blocks: int, system_prompt: int, seed: int,
+               layer_pattern: dict | None = None) -> dict:
+    """The trace: chats admitted in order, a finished turn's next turn queued behind every waiting one.
+    ``layer_pattern`` (the trace format's): the model, ``sliding_and_full(window)`` by default."""
     rng = np.random.default_rng(seed)
     tok = lambda n: [int(t) for t in rng.integers(1, 50_000, n)]  # noqa: E731
     system = tok(system_prompt)
@@ -64,15 +73,13 @@ def make_trace(conversations: int, turns: int, concurrency: int, question: int, 
                        {"op": "schedule", "id": rid, "num_tokens": "all", "output_tokens": first}]
             running[rid] = [c, turn, prompt + first, int(rng.integers(answer // 2, answer * 3 // 2 + 1)) - 1]
         steps.append(events)
-    layer = {"num_kv_heads": 2, "head_size": 64, "dtype": "bfloat16"}
     return {
         "name": f"multiturn_sw{window}_b{num_blocks}_s{seed}",
         "description": "multi-turn chat on a sliding-window + full model (benchmarks/window_eviction.py)",
         "block_size": block_size, "num_blocks": num_blocks, "enable_caching": True,
         "max_model_len": system_prompt + turns * (question + answer) * 3 // 2 + block_size,
         "prefix_cache_retention_interval": None,
-        "layer_pattern": {"num_layers": 4, "pattern": [{"type": "full", **layer},
-                                                        {"type": "sliding_window", "sliding_window": window, **layer}]},
+        "layer_pattern": layer_pattern or sliding_and_full(window),
         "steps": steps,
         "computed_before": computed_before,  # informational (ignored by replay): the ideal hits
     }

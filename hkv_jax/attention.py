@@ -28,12 +28,14 @@ from hkv_jax.cache import (
     layer_kv,
     local_slot,
     page_view,
+    part_pages,
     replace_buffer,
     set_layer_kv,
     slot_mapping,
     store_page_view,
 )
-from hkv_jax.spec import ChunkedLocalSpec, SlidingWindowSpec
+from hkv_jax.planner import KVCacheConfig
+from hkv_jax.spec import AttentionSpec, ChunkedLocalSpec, SlidingWindowSpec
 from kernels_pallas.reference import AttentionParams, query_positions
 
 
@@ -71,6 +73,23 @@ def make_metadata(cache: KVCache, block_tables: Sequence[jax.Array], query_start
                              tuple(jnp.asarray(bt, jnp.int32) for bt in block_tables), slots)
 
 
+def check_kernel(config: KVCacheConfig, impl: str, max_blocks: int) -> None:
+    """Raise ``ValueError`` (one line) when attention kernel ``impl`` cannot serve a layer of ``config``: its
+    block size, head size or KV dtype (``kernels_pallas.supports``; ``auto`` picks one that can), before
+    anything compiles. ``max_blocks``: a block table's width."""
+    if impl not in kernels_pallas.IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(kernels_pallas.IMPLS)}")
+    for g in config.groups:
+        if not isinstance(g.spec, AttentionSpec) or impl == "auto":
+            continue
+        shape = (config.num_blocks * g.layers_per_slot, 2, g.spec.num_kv_heads, g.block_size, g.spec.head_size)
+        support = kernels_pallas.supports(impl, shape, g.spec.dtype, g.spec.num_kv_heads, max_blocks)
+        if not support:
+            raise ValueError(f"attention kernel {impl!r} cannot serve group {g.group_id} ({g.spec.kind}, "
+                             f"{g.block_size} tokens per block): {support.reason} (impl 'auto' picks one "
+                             f"that can)")
+
+
 def layer_params(cache: KVCache, layer: str, *, sm_scale: float | None = None,
                  soft_cap: float | None = None) -> AttentionParams:
     """The attention options of ``layer``: window / chunk from its spec, scale and soft-cap from the model."""
@@ -99,8 +118,9 @@ def attention(layer: str, q: jax.Array, k: jax.Array | None, v: jax.Array | None
         raise ValueError(f"layer {layer!r}: give both k and v, or neither (KV sharing)")
     params = layer_params(cache, layer, sm_scale=sm_scale, soft_cap=soft_cap)
     shards = cache.layout.tensor_shards(slot.tensor)
+    table, slots = part_pages(slot, metadata.block_tables[slot.group_id], metadata.slot_mappings[slot.group_id])
     if _splits_heads(slot, shards, q.shape[1]):
-        return _sharded(slot, shards, q, k, v, cache, metadata, sinks, params, impl, interpret)
+        return _sharded(slot, shards, q, k, v, cache, metadata, table, slots, sinks, params, impl, interpret)
     if shards > 1:
         raise ValueError(f"layer {layer!r}: its KV is split {shards} ways but no mesh with a 'model' axis "
                          f"of that size is in use (jax.set_mesh)")
@@ -110,12 +130,10 @@ def attention(layer: str, q: jax.Array, k: jax.Array | None, v: jax.Array | None
         lambda x: jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec()))
     kv = whole(layer_kv(cache, layer))
     if k is not None:
-        kv = whole(kernels_pallas.kv_write(kv, whole(k), whole(v), metadata.slot_mappings[slot.group_id],
-                                           impl=impl, interpret=interpret))
+        kv = whole(kernels_pallas.kv_write(kv, whole(k), whole(v), slots, impl=impl, interpret=interpret))
         cache = set_layer_kv(cache, layer, kv)
     out = kernels_pallas.paged_attention(
-        q, kv, metadata.block_tables[slot.group_id], metadata.query_start_loc, metadata.seq_lens,
-        params, sinks, impl=impl, interpret=interpret)
+        q, kv, table, metadata.query_start_loc, metadata.seq_lens, params, sinks, impl=impl, interpret=interpret)
     return out, cache
 
 
@@ -127,15 +145,14 @@ def _splits_heads(slot: LayerSlot, shards: int, num_q_heads: int) -> bool:
     return size > 1 and (shards == size or (slot.spec.num_kv_heads == 1 and num_q_heads % size == 0))
 
 
-def _sharded(slot: LayerSlot, shards: int, q, k, v, cache: KVCache, metadata: AttentionMetadata, sinks,
-             params: AttentionParams, impl: str, interpret: bool):
+def _sharded(slot: LayerSlot, shards: int, q, k, v, cache: KVCache, metadata: AttentionMetadata, table, slots,
+             sinks, params: AttentionParams, impl: str, interpret: bool):
     """``attention`` under ``shard_map`` over the ``model`` axis: per device its query heads, and its
     KV heads' part of every page (or, with one replicated KV head, the whole page)."""
     P = jax.sharding.PartitionSpec
     heads = P(None, "model", None)
     kv_spec = heads if shards > 1 else P()
     part = local_slot(slot, shards)
-    g = slot.group_id
 
     def local(buf, q, k, v, slots, table, starts, lens, sinks):
         kv = page_view(buf, part)
@@ -151,6 +168,5 @@ def _sharded(slot: LayerSlot, shards: int, q, k, v, cache: KVCache, metadata: At
     # check_vma off: Pallas kernels do not track varying axes; the specs above say what varies.
     f = jax.shard_map(local, out_specs=(heads, pages), check_vma=False,
                       in_specs=(pages, heads, kv_spec, kv_spec, P(), P(), P(), P(), P("model")))
-    out, buf = f(buf, q, k, v, metadata.slot_mappings[g], metadata.block_tables[g],
-                 metadata.query_start_loc, metadata.seq_lens, sinks)
+    out, buf = f(buf, q, k, v, slots, table, metadata.query_start_loc, metadata.seq_lens, sinks)
     return out, replace_buffer(cache, slot.tensor, buf)

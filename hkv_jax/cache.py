@@ -11,6 +11,11 @@ integer and a view is a bitcast + reshape, which XLA:CPU runs as a copy:
 - attention layer: ``dtype[num_blocks, 2, num_kv_heads, block_size, head_size]``
   (K then V; inside a page each kv head's tokens are contiguous, which is what
   the kernels stream);
+- attention layers that share a page slot (``KVCacheGroup.layers_per_slot = r``:
+  their pages are ``r`` times smaller): ``dtype[num_blocks * r, 2, ...]``, the
+  page of block ``b`` for the layer in part ``j`` of the slot being page
+  ``b * r + j`` of that view (a reshape too); ``part_pages`` maps the group's
+  block table and slot mapping to those pages;
 - sharded by KV head (``CacheLayout.shards[t] = S > 1``, for a ``model`` mesh
   axis of size S): a page is S equal parts, part ``j`` holding KV heads
   ``[j H/S, (j+1) H/S)`` in the layout above (then padding). A device holds one
@@ -51,6 +56,8 @@ class LayerSlot:
     spec: AttentionSpec | MambaSpec
     block_size: int
     blocks_per_state: int = 1
+    layers_per_slot: int = 1  # layers sharing the page slot; this one holds part ``part`` of each page
+    part: int = 0
 
     @property
     def used_bytes(self) -> int:
@@ -83,16 +90,18 @@ class CacheLayout:
         slots: dict[str, LayerSlot] = {}
         for g in config.groups:
             for i, name in enumerate(g.layer_names):
-                slots[name] = LayerSlot(i, g.group_id, g.spec, g.block_size, g.blocks_per_state)
+                tensor, part = g.slot_of(i)
+                slots[name] = LayerSlot(tensor, g.group_id, g.spec, g.block_size, g.blocks_per_state,
+                                        g.layers_per_slot, part)
         for name, target in config.kv_sharing:
             slots[name] = slots[target]
         layout = cls(config.num_blocks, config.page_size_bytes, config.group_size, tuple(slots.items()))
         part = model_shards * layout.word_bytes  # a part of a page is whole words
 
-        def splits(t: int) -> bool:
+        def splits(t: int) -> bool:  # not a tensor of shared slots: a page's parts are its layers, not heads
             return layout.page_size_bytes % part == 0 and all(
                 isinstance(s.spec, AttentionSpec) and s.spec.num_kv_heads % model_shards == 0
-                and s.used_bytes % part == 0 for s in slots.values() if s.tensor == t)
+                and s.used_bytes % part == 0 and s.layers_per_slot == 1 for s in slots.values() if s.tensor == t)
 
         return replace(layout, shards=tuple(model_shards if model_shards > 1 and splits(t) else 1
                                             for t in range(layout.num_tensors)))
@@ -215,8 +224,12 @@ def local_slot(slot: LayerSlot, shards: int) -> LayerSlot:
 
 
 def page_view(buf: jax.Array, slot: LayerSlot, shards: int = 1) -> jax.Array:
-    """``buf: word[N, W]`` (pages of ``shards`` parts) as ``dtype[N, 2, kv_heads, block_size, head_size]``."""
+    """``buf: word[N, W]`` (pages of ``shards`` parts) as ``dtype[N, 2, kv_heads, block_size, head_size]``
+    (``[N * r, ...]`` for a layer sharing its slot with ``r - 1`` others: every part of every page)."""
     n = buf.shape[0]
+    if slot.layers_per_slot > 1:
+        typed = _words_to(buf, slot.spec.dtype)
+        return typed.reshape(n * slot.layers_per_slot, *_attention_view_shape(slot))
     part = local_slot(slot, shards)
     typed = _words_to(buf.reshape(n, shards, -1), slot.spec.dtype)
     elems = part.used_bytes // dtype_bytes(slot.spec.dtype)
@@ -231,6 +244,8 @@ def page_view(buf: jax.Array, slot: LayerSlot, shards: int = 1) -> jax.Array:
 def store_page_view(buf: jax.Array, slot: LayerSlot, kv: jax.Array, shards: int = 1) -> jax.Array:
     """The inverse of ``page_view``: ``buf`` with the view's bytes written back (padding kept)."""
     n = buf.shape[0]
+    if slot.layers_per_slot > 1:
+        return _words_to(kv.reshape(n, -1), buf.dtype).reshape(buf.shape)
     part = local_slot(slot, shards)
     kv = kv.reshape(n, 2, shards, *_attention_view_shape(part)[1:])
     if shards > 1:
@@ -242,7 +257,8 @@ def store_page_view(buf: jax.Array, slot: LayerSlot, kv: jax.Array, shards: int 
 
 
 def layer_kv(cache: KVCache, layer: str) -> jax.Array:
-    """The typed page view of an attention layer: ``dtype[num_blocks, 2, kv_heads, block_size, head_size]``."""
+    """The typed page view of an attention layer: ``dtype[num_blocks, 2, kv_heads, block_size, head_size]``
+    (``num_blocks * layers_per_slot`` pages where layers share a slot: see ``part_pages``)."""
     slot = _attention_slot(cache.layout, layer)
     return page_view(cache.buffers[slot.tensor], slot, cache.layout.tensor_shards(slot.tensor))
 
@@ -251,7 +267,7 @@ def set_layer_kv(cache: KVCache, layer: str, kv: jax.Array) -> KVCache:
     """Store an attention layer's page view back (the inverse of ``layer_kv``); other bytes are kept."""
     layout = cache.layout
     slot = _attention_slot(layout, layer)
-    expected = (layout.num_blocks, *_attention_view_shape(slot))
+    expected = (layout.num_blocks * slot.layers_per_slot, *_attention_view_shape(slot))
     if kv.shape != expected or kv.dtype != jnp.dtype(slot.spec.dtype):
         raise ValueError(f"layer {layer!r}: view must be {slot.spec.dtype}{list(expected)}, "
                          f"got {kv.dtype}{list(kv.shape)}")
@@ -334,6 +350,17 @@ def write_mamba_state(cache: KVCache, layer: str, block_ids: jax.Array,
 
 
 # --- slot mapping ---------------------------------------------------------------------------
+
+
+def part_pages(slot: LayerSlot, block_table: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A layer's block table and slot mapping in its page view, from its group's (``block_table``: block
+    ids, ``slots``: ``block * block_size + offset``, -1 for none). The identity unless the layer shares its
+    page slot: then block ``b`` is page ``b * r + part`` of the view (``page_view``)."""
+    r, bs = slot.layers_per_slot, slot.block_size
+    if r == 1:
+        return block_table, slots
+    return (block_table * r + slot.part,
+            jnp.where(slots >= 0, (slots // bs * r + slot.part) * bs + slots % bs, -1).astype(jnp.int32))
 
 
 def slot_mapping(block_table: jax.Array, positions: jax.Array, block_size: int,

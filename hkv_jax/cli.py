@@ -13,6 +13,7 @@ from hkv_jax.models import layers_from_hf_config, resolve_model
 from hkv_jax.models.hf_config import text_config
 from hkv_jax.models.quant import QUANTIZE
 from hkv_jax.planner import DEFAULT_POLICY, POLICIES
+from kernels_pallas import IMPLS
 from hkv_jax.report import compare_policies, parse_bytes, plan_json, render_table
 
 DEFAULT_MEMORY = "80GiB"
@@ -95,7 +96,7 @@ def use_compilation_cache() -> str | None:
     return path or None
 
 
-_POOL_SIZES = ("num_blocks", "max_model_len", "max_requests", "token_budget")
+_POOL_SIZES = ("num_blocks", "max_model_len", "max_requests", "token_budget", "block_size")
 
 
 def _decode_options(args: argparse.Namespace) -> dict:
@@ -123,8 +124,8 @@ def _demo_config(args: argparse.Namespace, **fields):
     model = args.model or default_model()
     if args.quantize and not is_pretrained(model):
         raise CliError(f"--quantize needs a real model (gemma-3-270m, a .gguf file or a checkpoint), not {model}")
-    return replace(DemoConfig(model=model, seed=args.seed, quantize=args.quantize, **_decode_options(args),
-                              **fields), **sizes)
+    return replace(DemoConfig(model=model, seed=args.seed, quantize=args.quantize, policy=args.policy,
+                              impl=args.impl, **_decode_options(args), **fields), **sizes)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -194,6 +195,11 @@ def _pool_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="longest request in tokens (default 256 tiny, 512 real)")
     p.add_argument("--max-requests", type=int, help="requests served at once (default 8)")
     p.add_argument("--token-budget", type=int, help="tokens computed per step (default 64)")
+    p.add_argument("--block-size", type=int, help="tokens per block (default 16)")
+    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
+                   help=f"the planner's grouping policy (default {DEFAULT_POLICY})")
+    p.add_argument("--impl", choices=IMPLS, default="auto",
+                   help="attention kernel (default auto: the fastest that serves the model's shapes here)")
 
 
 def _engine_options(p: argparse.ArgumentParser) -> None:

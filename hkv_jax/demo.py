@@ -28,7 +28,7 @@ from hkv_jax.generate import GenerateConfig, engine_for
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.pretrained import INSTALL_HINT, is_pretrained, load_pretrained
 from hkv_jax.models.tiny import TinyConfig, TinyLM
-from hkv_jax.planner import cdiv, plan
+from hkv_jax.planner import DEFAULT_POLICY, cdiv, plan
 from hkv_jax.spec import MambaSpec
 
 TINY_MODELS = ("tiny-gemma3", "tiny-gemma4", "tiny-gptoss", "tiny-llama4", "tiny-jamba")
@@ -58,6 +58,8 @@ class DemoConfig:
     user_tokens: tuple[int, int] = (8, 24)
     answer_tokens: int | None = None   # default: 16 for a tiny model, 32 for a real one
     block_size: int = 16
+    policy: str = DEFAULT_POLICY       # the planner's
+    impl: str = "auto"                 # the attention kernel (``kernels_pallas``)
     num_blocks: int | None = None      # default: 160 for a tiny model; a real one's: max_requests requests
     max_requests: int = 8
     token_budget: int = 64
@@ -91,6 +93,8 @@ def build_engine(cfg: DemoConfig, **engine_options):
             num_blocks=cfg.num_blocks,
             max_requests=cfg.max_requests,
             block_size=cfg.block_size,
+            policy=cfg.policy,
+            impl=cfg.impl,
             token_budget=cfg.token_budget,
             seed=cfg.seed,
             decode_steps=cfg.decode_steps,
@@ -109,6 +113,8 @@ def build_engine(cfg: DemoConfig, **engine_options):
         model,
         num_blocks=cfg.num_blocks or 160,
         block_size=cfg.block_size,
+        policy=cfg.policy,
+        impl=cfg.impl,
         max_requests=cfg.max_requests,
         max_model_len=cfg.max_model_len or 256,
         token_budget=cfg.token_budget,

@@ -16,7 +16,7 @@ from typing import TextIO
 from hkv_jax.engine import Engine, SamplingParams
 from hkv_jax.models.pretrained import load_pretrained
 from hkv_jax.models.tokenizer import gemma_chat
-from hkv_jax.planner import plan
+from hkv_jax.planner import DEFAULT_POLICY, plan
 
 
 @dataclass(frozen=True)
@@ -51,14 +51,15 @@ class GenerateConfig:
 
 
 def engine_for(model, max_model_len: int, *, max_requests: int = 1, block_size: int = 16,
-               token_budget: int = 256, seed: int = 0, num_blocks: int | None = None, **kwargs) -> Engine:
+               token_budget: int = 256, seed: int = 0, num_blocks: int | None = None,
+               policy: str = DEFAULT_POLICY, **kwargs) -> Engine:
     """An engine for ``model`` whose pool (unless ``num_blocks`` is given) holds ``max_requests`` requests of
     ``max_model_len`` tokens, counting a sliding window's extra blocks during a prefill chunk."""
     if num_blocks is None:
-        per_request = plan(model.cfg.layers, block_size=block_size, num_blocks=2).blocks_per_request(
+        per_request = plan(model.cfg.layers, block_size=block_size, policy=policy, num_blocks=2).blocks_per_request(
             max_model_len + token_budget)
         num_blocks = 1 + max_requests * per_request
-    return Engine(model, num_blocks=num_blocks, block_size=block_size,
+    return Engine(model, num_blocks=num_blocks, block_size=block_size, policy=policy,
                   max_requests=max_requests, max_model_len=max_model_len, token_budget=token_budget,
                   seed=seed, **kwargs)
 

@@ -16,7 +16,12 @@ Policies (``docs/SEMANTICS.md``, "Planning", states ``vllm`` exactly):
     A group costs little here because the allocator handles groups vectorised;
     ``GROUP_COST`` (0.02 layer) only breaks ties towards fewer groups and keeps
     the count bounded. Mamba never raises the attention block size: a state
-    spans ``blocks_per_state`` pages instead.
+    spans ``blocks_per_state`` pages instead. A layer whose page is ``r`` times
+    smaller than the largest keeps the block size and shares a page slot with
+    ``r - 1`` others of its kind (``layers_per_slot``) instead of taking ``r``
+    times the tokens per block, unless that pads more: every group then has
+    one block size, and prefix hits land on every block (Gemma 4: 16 tokens
+    where ``vllm`` needs 32).
 ``naive``
     Every attention layer treated as full attention (what a cache that is not
     hybrid-aware needs); Mamba as under ``vllm``. For comparison only.
@@ -65,11 +70,21 @@ class KVCacheGroup:
     block_size: int
     shared_layer_names: tuple[str, ...] = ()
     blocks_per_state: int = 1
+    layers_per_slot: int = 1  # layers sharing one page slot (their pages are this many times smaller)
 
     @property
     def all_layer_names(self) -> tuple[str, ...]:
         """Owning and KV-sharing layers of the group."""
         return self.layer_names + self.shared_layer_names
+
+    @property
+    def num_slots(self) -> int:
+        """Page slots (shared tensors) the group's layers take: ``layers_per_slot`` layers each."""
+        return cdiv(len(self.layer_names), self.layers_per_slot)
+
+    def slot_of(self, i: int) -> tuple[int, int]:
+        """(shared tensor, part of the page) of the group's ``i``-th layer."""
+        return divmod(i, self.layers_per_slot)
 
     def used_bytes_per_slot(self) -> float:
         """Bytes of a page slot that hold data (the rest is padding)."""
@@ -155,14 +170,16 @@ class KVCacheConfig:
         return tuple(
             KVCacheTensor(
                 size_bytes=self.num_blocks * self.page_size_bytes,
-                shared_by=tuple(g.layer_names[i] for g in self.groups if i < len(g.layer_names)),
+                shared_by=tuple(n for g in self.groups
+                                for n in g.layer_names[i * g.layers_per_slot:(i + 1) * g.layers_per_slot]),
             )
             for i in range(self.group_size)
         )
 
     def group_padding_layers(self, group: KVCacheGroup) -> int:
-        """Empty layer slots of a group (vLLM's "padding layers")."""
-        return self.group_size - len(group.layer_names)
+        """Empty page slots of a group (vLLM's "padding layers"; a slot shared by fewer layers than it
+        holds counts in ``group_padding_fraction`` only)."""
+        return self.group_size - group.num_slots
 
     @property
     def padding_layers(self) -> int:
@@ -240,6 +257,7 @@ class KVCacheConfig:
                     "spec": {k: v for k, v in g.spec.to_dict().items() if k != "name"},
                     "block_size": g.block_size,
                     "blocks_per_state": g.blocks_per_state,
+                    "layers_per_slot": g.layers_per_slot,
                     "num_layers": len(g.layer_names),
                     "layer_names": list(g.all_layer_names),
                     "padding_layers": self.group_padding_layers(g),
@@ -295,21 +313,22 @@ def _buckets(specs: Sequence[KVSpec]) -> list[list[KVSpec]]:
     return list(buckets.values())
 
 
-def _padding(counts: Sequence[int], group_size: int) -> tuple[int, int]:
-    """(padding layer slots, number of groups) for a group size."""
-    groups = sum(cdiv(n, group_size) for n in counts)
+def _padding(counts: Sequence[float], group_size: int) -> tuple[float, int]:
+    """(padding page slots, number of groups) for a group size; ``counts`` in page slots (a bucket whose
+    layers share slots counts a fraction per layer)."""
+    groups = sum(math.ceil(n / group_size - 1e-9) for n in counts)
     return groups * group_size - sum(counts), groups
 
 
-def choose_group_size(counts: Sequence[int], policy: str) -> int:
-    """Layers per group for buckets of ``counts`` layers under ``policy``."""
+def choose_group_size(counts: Sequence[float], policy: str) -> int:
+    """Page slots per group for buckets of ``counts`` page slots of layers under ``policy``."""
     if len(counts) == 1:
-        return counts[0]
+        return math.ceil(counts[0])
     lo, hi = min(counts), max(counts)
     if policy != "min-waste":
-        return hi if hi < 1.5 * lo else lo
+        return math.ceil(hi if hi < 1.5 * lo else lo)
     best = None
-    for g in range(hi, 0, -1):  # larger group sizes win ties
+    for g in range(math.ceil(hi), 0, -1):  # larger group sizes win ties
         pad, groups = _padding(counts, g)
         if groups > MAX_GROUPS:
             continue
@@ -318,6 +337,35 @@ def choose_group_size(counts: Sequence[int], policy: str) -> int:
             best = (cost, g)
     assert best is not None  # g = hi always gives len(counts) <= MAX_GROUPS groups
     return best[1]
+
+
+def _group(buckets: list[list[KVSpec]], policy: str, sizes, page: int) -> list[KVCacheGroup]:
+    """KV cache groups of ``buckets`` (identical specs): the group size (in page slots) for ``policy``, layers
+    assigned strided. ``sizes(spec)``: (block size, layers per page slot)."""
+    all_same = len(buckets) == 1
+    per_slot = [sizes(b[0])[1] for b in buckets]
+    gsize = choose_group_size([len(b) if r == 1 else len(b) / r for b, r in zip(buckets, per_slot)], policy)
+    groups: list[KVCacheGroup] = []
+    for bucket, r in zip(buckets, per_slot):
+        k = 1 if all_same else cdiv(len(bucket), gsize * r)
+        for j in range(k):
+            members = bucket[j::k]
+            spec = members[0]
+            groups.append(KVCacheGroup(
+                group_id=len(groups),
+                spec=spec,
+                layer_names=tuple(m.name for m in members),
+                block_size=sizes(spec)[0],
+                blocks_per_state=cdiv(spec.state_bytes, page) if isinstance(spec, MambaSpec) else 1,
+                layers_per_slot=r,
+            ))
+    return groups
+
+
+def _slots_padding(groups: list[KVCacheGroup]) -> float:
+    """Empty page slots of ``groups``, a slot shared by fewer layers than it holds counting the fraction."""
+    size = max(g.num_slots for g in groups)
+    return sum(size - len(g.layer_names) / g.layers_per_slot for g in groups)
 
 
 def plan(
@@ -361,34 +409,25 @@ def plan(
     else:
         page = max(s.state_bytes for s in mamba)
 
-    def block_size_of(spec: KVSpec) -> int:
+    def sizes_of(spec: KVSpec, pack: bool) -> tuple[int, int]:
+        """(block size, layers per page slot) of a layer of ``spec``."""
         if isinstance(spec, MambaSpec):
-            return attn_block
+            return attn_block, 1
         own = spec.page_size_bytes(attn_block)
-        # A page that divides the unified page holds proportionally more tokens; one that
-        # does not divide it is padded.
-        return attn_block * (page // own) if page % own == 0 else attn_block
+        if page % own:  # a page that does not divide the unified page is padded
+            return attn_block, 1
+        # One that divides it holds proportionally more tokens (vLLM), or shares its slot (packed).
+        return (attn_block, page // own) if pack else (attn_block * (page // own), 1)
 
     # 2. Groups: bucket identical specs, pick the group size, assign strided.
-    all_same = len(set(owning)) == 1
     buckets = _buckets(owning)
-    gsize = choose_group_size([len(b) for b in buckets], policy)
-    groups: list[KVCacheGroup] = []
-    for bucket in buckets:
-        k = 1 if all_same else cdiv(len(bucket), gsize)
-        for j in range(k):
-            members = bucket[j::k]
-            spec = members[0]
-            groups.append(
-                KVCacheGroup(
-                    group_id=len(groups),
-                    spec=spec,
-                    layer_names=tuple(m.name for m in members),
-                    block_size=block_size_of(spec),
-                    blocks_per_state=cdiv(spec.state_bytes, page) if isinstance(spec, MambaSpec) else 1,
-                )
-            )
-    group_size = max(len(g.layer_names) for g in groups)
+    groups = _group(buckets, policy, lambda spec: sizes_of(spec, pack=False), page)
+    if policy == "min-waste" and any(sizes_of(b[0], pack=True)[1] > 1 for b in buckets):
+        packed = _group(buckets, policy, lambda spec: sizes_of(spec, pack=True), page)
+        if _slots_padding(packed) <= _slots_padding(groups):
+            groups = packed
+            notes["layers_share_page_slots"] = True
+    group_size = max(g.num_slots for g in groups)
 
     # 3. KV-sharing layers join their target's group.
     sharing = tuple((l.name, l.target) for l in layers if isinstance(l, KVSharingSpec))

@@ -9,13 +9,14 @@ _KIND_COLOURS = {"full": "tab:blue", "sliding_window": "tab:orange", "chunked_lo
                  "mamba": "tab:purple"}
 
 
-def slot_fill(cfg: KVCacheConfig) -> list[list[float]]:
-    """Per group, per shared tensor (layer slot): the fraction of the slot's page that holds data (0 for an
-    empty slot, below 1 where a smaller page or a Mamba state is padded to the unified page)."""
+def slot_fill(cfg: KVCacheConfig) -> list[list[list[float]]]:
+    """Per group, per shared tensor (layer slot): the fraction of the slot's page each of its layers holds
+    (none for an empty slot; one layer below 1 where a smaller page or a Mamba state is padded to the
+    unified page; several where layers share the slot: ``layers_per_slot``)."""
     out = []
     for g in cfg.groups:
-        used = g.used_bytes_per_slot() / cfg.page_size_bytes
-        out.append([used if row < len(g.layer_names) else 0.0 for row in range(cfg.group_size)])
+        used, r = g.used_bytes_per_slot() / cfg.page_size_bytes, g.layers_per_slot
+        out.append([[used] * len(g.layer_names[row * r:(row + 1) * r]) for row in range(cfg.group_size)])
     return out
 
 
@@ -40,11 +41,13 @@ def plot_plan(
                                  gridspec_kw={"height_ratios": [3, 1.3]})
     for col, g in enumerate(cfg.groups):
         colour = _KIND_COLOURS.get(g.spec.kind, "tab:gray")
-        for row, used in enumerate(fill[col]):
-            ax.add_patch(Rectangle((col, row), used, 1, facecolor=colour, edgecolor="white"))
-            if used < 1:  # the rest of the slot is padding
-                ax.add_patch(Rectangle((col + used, row), 1 - used, 1, facecolor="white", hatch="//",
-                                       edgecolor="0.6"))
+        for row, layers in enumerate(fill[col]):
+            x = 0.0
+            for used in layers:  # one rectangle per layer of the slot
+                ax.add_patch(Rectangle((col + x, row), used, 1, facecolor=colour, edgecolor="white"))
+                x += used
+            if x < 1:  # the rest of the slot is padding
+                ax.add_patch(Rectangle((col + x, row), 1 - x, 1, facecolor="white", hatch="//", edgecolor="0.6"))
     ax.set_xlim(0, n)
     ax.set_ylim(cfg.group_size, 0)
     ax.set_xticks([c + 0.5 for c in range(n)], [f"g{g.group_id} bs={g.block_size}" for g in cfg.groups],

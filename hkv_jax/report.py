@@ -97,13 +97,13 @@ def render_table(model: str, layers, chosen: KVCacheConfig, others: dict[str, KV
                    f"{format_bytes(t['bytes_per_block_per_device'])}, the pool {format_bytes(t['bytes_per_device'])}")
     out += [
         "",
-        f"{'group':>5}  {'type':<15} {'layers':>6} {'block':>6} {'span':>4} {'pad':>4} {'pad %':>6}  layers",
+        f"{'group':>5}  {'type':<15} {'layers':>6} {'block':>6} {'span':>4} {'slot':>4} {'pad':>4} {'pad %':>6}  layers",
     ]
     rows: list[tuple[list[int], str]] = []
     for g in c.groups:
         # Consecutive groups that differ only in their layers share one row.
         key = (f"{g.spec.kind:<15} {len(g.layer_names):>6} {g.block_size:>6} {g.blocks_per_state:>4} "
-               f"{c.group_padding_layers(g):>4} {100 * c.group_padding_fraction(g):>5.1f}%")
+               f"{g.layers_per_slot:>4} {c.group_padding_layers(g):>4} {100 * c.group_padding_fraction(g):>5.1f}%")
         if rows and rows[-1][1] == key and not g.shared_layer_names:
             rows[-1][0].append(g.group_id)
         else:
@@ -118,17 +118,20 @@ def render_table(model: str, layers, chosen: KVCacheConfig, others: dict[str, KV
         "",
         f"policies compared (same memory{' per device' if tp > 1 else ''}; max concurrent requests at "
         f"max-model-len {max_model_len}):",
-        f"{'policy':<10} {'groups':>6} {'block':>6} {'pad layers':>10} {'pad %':>6} {'blocks':>10} "
-        f"{'capacity tok':>13} {'blocks/req':>10} {'max conc':>9}",
+        f"{'policy':<10} {'groups':>6} {'blocks of':>9} {'hit unit':>8} {'pad layers':>10} {'pad %':>6} "
+        f"{'blocks':>10} {'capacity tok':>13} {'blocks/req':>10} {'max conc':>9}",
     ]
     for name, p in others.items():
         mark = " <" if name == c.policy else ""
         out.append(
-            f"{name:<10} {len(p.groups):>6} {p.block_size:>6} {p.padding_layers:>10} {100 * p.padding_fraction:>5.1f}% "
+            f"{name:<10} {len(p.groups):>6} {'/'.join(map(str, sorted({g.block_size for g in p.groups}))):>9} "
+            f"{p.scheduler_block_size:>8} {p.padding_layers:>10} {100 * p.padding_fraction:>5.1f}% "
             f"{p.num_blocks:>10} {p.capacity_tokens:>13} {p.blocks_per_request(max_model_len):>10} "
             f"{p.max_concurrent_requests(max_model_len):>9}{mark}"
         )
-    out.append("(capacity tok: vLLM's figure, usable blocks / groups x block size; span: blocks per Mamba state)")
+    out.append("(capacity tok: vLLM's figure, usable blocks / groups x smallest block size; blocks of: tokens per "
+               "block; hit unit: prefix hits are multiples of it; span: blocks per Mamba state; slot: layers per "
+               "page slot)")
     return "\n".join(out)
 
 

@@ -86,6 +86,7 @@ def test_vllm_mean_script_reports_the_mean_of_the_steps_the_oracle_takes_the_med
     (tmp_path / "replay.py").write_text(
         "import statistics, types\n"
         "vllm = types.SimpleNamespace(__version__='stand-in')\n"
+        "BENCH_MODELS = {}\n"
         "def bench_one(model, B, L, D, bs, caching, shared_prefix, seed):\n"
         "    steps = [0.009 + seed * 0.001] + [0.001] * (D - 1)\n"
         "    return {'decode_step_us_median': statistics.median(steps) * 1e6,\n"

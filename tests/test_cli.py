@@ -59,6 +59,12 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
         (["demo", "--seed", "-1"], "--seed must be >= 0"),
         (["demo", "--model", "tiny-gemma3", "--quantize", "int8"], "--quantize needs a real model"),
         (["demo", "--decode-steps", "0"], "--decode-steps must be positive"),
+        (["demo", "--block-size", "0"], "--block-size must be positive"),
+        (["demo", "--impl", "nope"], "invalid choice: 'nope'"),
+        # float32 pages of 8 tokens, head size 16: the Mosaic GPU kernel takes none of it, found before compiling
+        (["demo", "--model", "tiny-gemma4", "--block-size", "8", "--impl", "mosaic_gpu"],
+         "attention kernel 'mosaic_gpu' cannot serve group 0"),
+        (["serve", "--model", "tiny-gemma4", "--impl", "tpu"], "head_size 16 (TPU vectors are 128 lanes)"),
         (["serve", "--max-call-ms", "-5"], "--max-call-ms must be >= 0 (0: no bound), got -5.0"),
         (["generate", "hi", "--max-call-ms", "inf"], "--max-call-ms must be >= 0"),
         (["generate", "hi", "--quantize", "int4"], "invalid choice: 'int4'"),

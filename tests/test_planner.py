@@ -169,14 +169,43 @@ def test_vllm_scales_the_block_size_of_the_smaller_page_on_gemma4(preset, slidin
 
 
 @pytest.mark.parametrize("preset, policy", [("gemma-3-27b", "vllm"), ("jamba-mini-1.5", "vllm"),
-                                            ("gemma-4-31b", "vllm"), ("jamba-mini-1.5", "min-waste")])
+                                            ("gemma-4-31b", "vllm"), ("jamba-mini-1.5", "min-waste"),
+                                            ("gemma-4-e4b", "min-waste"), ("tiny-gemma4", "min-waste")])
 def test_the_plot_draws_every_group_and_hatches_all_padding(preset, policy):
-    """``hkv plan --plot`` draws one block of every group; the hatched (padding) area, empty slots and padded
-    pages alike, is the plan's padding fraction."""
+    """``hkv plan --plot`` draws one block of every group, every layer of a slot its layers share; the
+    hatched (padding) area, empty slots and padded pages alike, is the plan's padding fraction."""
     from hkv_jax.plot import slot_fill
 
     cfg = plan(model_layers(preset), block_size=16, policy=policy, num_blocks=1000)
     fill = slot_fill(cfg)
     assert len(fill) == len(cfg.groups) and all(len(col) == cfg.group_size for col in fill)
-    hatched = sum(cfg.group_size - sum(col) for col in fill) / (len(fill) * cfg.group_size)
+    assert [sum(map(len, col)) for col in fill] == [len(g.layer_names) for g in cfg.groups]
+    hatched = sum(cfg.group_size - sum(map(sum, col)) for col in fill) / (len(fill) * cfg.group_size)
     assert hatched == pytest.approx(cfg.padding_fraction)
+
+
+@pytest.mark.parametrize("preset, groups", [("gemma-4-31b", 11), ("gemma-4-e4b", 7)])
+def test_min_waste_packs_gemma4s_small_pages_instead_of_doubling_their_blocks(preset, groups):
+    """min-waste keeps 16 tokens per block for every group (hits on every 16-token boundary, vLLM's: 32), packs
+    two of the half-size pages in one slot, pads nothing, and holds at least vLLM's capacity in the same bytes."""
+    layers = model_layers(preset)
+    ours = plan(layers, block_size=16, policy="min-waste", memory_bytes=80 << 30)
+    vllm = plan(layers, block_size=16, policy="vllm", memory_bytes=80 << 30)
+    assert {g.block_size for g in ours.groups} == {16} and ours.scheduler_block_size == 16
+    assert vllm.scheduler_block_size == 32
+    assert {g.layers_per_slot for g in ours.groups} == {1, 2} and len(ours.groups) == groups
+    assert ours.padding_fraction == 0 and ours.padding_layers == 0
+    assert ours.capacity_tokens >= vllm.capacity_tokens
+    assert ours.max_concurrent_requests(8192) >= vllm.max_concurrent_requests(8192)
+    # Every layer has its page slot part: the tensors list each layer once.
+    names = [n for t in ours.tensors for n in t.shared_by]
+    assert sorted(names) == sorted(n for g in ours.groups for n in g.layer_names)
+
+
+def test_min_waste_keeps_proportional_blocks_where_packing_would_pad():
+    """Gemma 4 26B-A4B has 5 full-attention layers: two to a slot leaves one half empty, so min-waste plans as
+    vLLM does (no padding either way)."""
+    layers = model_layers("gemma-4-26b-a4b")
+    ours = plan(layers, block_size=16, policy="min-waste", num_blocks=100)
+    assert {g.layers_per_slot for g in ours.groups} == {1} and {g.block_size for g in ours.groups} == {16, 32}
+    assert ours.padding_fraction == 0

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from hkv_jax.allocator.state import Layout
+from hkv_jax.attention import check_kernel
 from hkv_jax.engine import checkpoint
 from hkv_jax.engine.config import EngineConfig
 from hkv_jax.engine.output_processor import NO_TOKENS, OutputProcessor
@@ -64,6 +65,7 @@ class Engine:
         self.layout = Layout.from_config(self.kv_cache_config, max_model_len=config.max_model_len,
                                          max_requests=config.max_requests,
                                          window_aware_eviction=config.window_aware_eviction)
+        check_kernel(self.kv_cache_config, config.impl, self.layout.max_blocks)
         self.stats = Stats()
         self.runner = ModelRunner(model, self.kv_cache_config, self.layout, buckets=config.buckets, impl=config.impl,
                                   seed=config.seed, vectorised=config.vectorised, decode_steps=config.decode_steps,

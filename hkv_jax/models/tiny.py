@@ -121,7 +121,8 @@ class Attention(nnx.Module):
         self.v_is_k = cfg.k_eq_v and cfg.is_global(index)
         self.q = nnx.Linear(h, cfg.num_heads * d, use_bias=False, rngs=rngs)
         self.k = nnx.Linear(h, self.kv_heads * d, use_bias=False, rngs=rngs) if self.owns_kv else None
-        self.v = nnx.Linear(h, self.kv_heads * d, use_bias=False, rngs=rngs) if self.owns_kv and not self.v_is_k else None
+        own_v = self.owns_kv and not self.v_is_k
+        self.v = nnx.Linear(h, self.kv_heads * d, use_bias=False, rngs=rngs) if own_v else None
         self.o = nnx.Linear(cfg.num_heads * d, h, use_bias=False, rngs=rngs)
         self.q_norm = nnx.RMSNorm(d, rngs=rngs) if cfg.qk_norm else None
         self.k_norm = nnx.RMSNorm(d, rngs=rngs) if cfg.qk_norm and self.owns_kv else None
