@@ -13,8 +13,8 @@ from hkv_jax.models import layers_from_hf_config, resolve_model
 from hkv_jax.models.hf_config import text_config
 from hkv_jax.models.quant import QUANTIZE
 from hkv_jax.planner import DEFAULT_POLICY, POLICIES
-from kernels_pallas import IMPLS
 from hkv_jax.report import compare_policies, parse_bytes, plan_json, render_table
+from kernels_pallas import IMPLS
 
 DEFAULT_MEMORY = "80GiB"
 
