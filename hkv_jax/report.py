@@ -97,7 +97,8 @@ def render_table(model: str, layers, chosen: KVCacheConfig, others: dict[str, KV
                    f"{format_bytes(t['bytes_per_block_per_device'])}, the pool {format_bytes(t['bytes_per_device'])}")
     out += [
         "",
-        f"{'group':>5}  {'type':<15} {'layers':>6} {'block':>6} {'span':>4} {'slot':>4} {'pad':>4} {'pad %':>6}  layers",
+        f"{'group':>5}  {'type':<15} {'layers':>6} {'block':>6} {'span':>4} {'slot':>4} {'pad':>4} {'pad %':>6}"
+        "  layers",
     ]
     rows: list[tuple[list[int], str]] = []
     for g in c.groups:
