@@ -99,50 +99,68 @@ def hit_rates(trace: dict, result: dict) -> dict:
             "hit_rate": hits / sum(prompts.values()), "hit_of_ideal": hits / max(ideal, 1)}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--num-blocks", default="700,900",
-                    help="pool sizes (null block included), comma-separated; the defaults hold every running turn")
+def print_hit_table(args, rows: list[dict], size: str, size_label: str, column: str, columns: list[tuple]) -> None:
+    """The summary: per pool size (``rows[size]``), per column (label, value of ``rows[column]``), the mean hit
+    rate over seeds and, in parentheses, its share of the ideal."""
+    print(f"# {platform.machine()}, window {args.window}, {args.conversations} chats x {args.turns} turns, "
+          f"concurrency {args.concurrency}, system prompt {args.system_prompt}")
+    print(f"{size_label:>20} " + " ".join(f"{label:>15}" for label, _ in columns)
+          + "   (mean hit rate over seeds; % of ideal)")
+    for n in sorted({r[size] for r in rows}):
+        cells = []
+        for _, value in columns:
+            sel = [r for r in rows if r[size] == n and r[column] == value]
+            cells.append(f"{100 * statistics.mean(r['hit_rate'] for r in sel):5.1f}% "
+                         f"({100 * statistics.mean(r['hit_of_ideal'] for r in sel):4.1f})")
+        print(f"{n:>20} " + " ".join(f"{c:>15}" for c in cells))
+
+
+def chat_options(ap: argparse.ArgumentParser, num_blocks: str, blocks_help: str, question: int, answer: int,
+                 window: int) -> None:
+    """The chat workload's options (``make_trace``'s), with these defaults."""
+    ap.add_argument("--num-blocks", default=num_blocks, help=blocks_help)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--question", type=int, default=32, help="mean new prompt tokens per turn")
-    ap.add_argument("--answer", type=int, default=192, help="mean generated tokens per turn")
-    ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--question", type=int, default=question, help="mean new prompt tokens per turn")
+    ap.add_argument("--answer", type=int, default=answer, help="mean generated tokens per turn")
+    ap.add_argument("--window", type=int, default=window)
     ap.add_argument("--system-prompt", type=int, default=0, help="tokens every chat starts with")
+
+
+def traces(args, block_size: int, layer_pattern: dict | None = None):
+    """``(pool size, seed, trace)`` for every ``--num-blocks`` and ``--seeds`` of ``chat_options``."""
+    for nb in map(int, args.num_blocks.split(",")):
+        for seed in map(int, args.seeds.split(",")):
+            yield nb, seed, make_trace(args.conversations, args.turns, args.concurrency, args.question, args.answer,
+                                       args.window, block_size, nb, args.system_prompt, seed, layer_pattern)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    chat_options(ap, "700,900", "pool sizes (null block included), comma-separated; the defaults hold every "
+                                "running turn", question=32, answer=192, window=64)
+    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--trace-out", help="also write the first trace here (replay it with hkv replay or vLLM)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     rows = []
-    for nb in map(int, args.num_blocks.split(",")):
-        for seed in map(int, args.seeds.split(",")):
-            trace = make_trace(args.conversations, args.turns, args.concurrency, args.question, args.answer,
-                               args.window, args.block_size, nb, args.system_prompt, seed)
-            if args.trace_out and not rows:
-                with open(args.trace_out, "w") as f:
-                    json.dump(trace, f)
-            for aware in (False, True):
-                t0 = time.perf_counter()
-                r = hit_rates(trace, run_trace(trace, window_aware_eviction=aware))
-                rows.append({"num_blocks": nb, "seed": seed, "window_aware": aware, **r})
-                print(f"blocks {nb} seed {seed} {'window-aware' if aware else 'vLLM order  '}: hit rate "
-                      f"{100 * r['hit_rate']:.1f}% ({100 * r['hit_of_ideal']:.1f}% of ideal) "
-                      f"[{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
+    for nb, seed, trace in traces(args, args.block_size):
+        if args.trace_out and not rows:
+            with open(args.trace_out, "w") as f:
+                json.dump(trace, f)
+        for aware in (False, True):
+            t0 = time.perf_counter()
+            r = hit_rates(trace, run_trace(trace, window_aware_eviction=aware))
+            rows.append({"num_blocks": nb, "seed": seed, "window_aware": aware, **r})
+            print(f"blocks {nb} seed {seed} {'window-aware' if aware else 'vLLM order  '}: hit rate "
+                  f"{100 * r['hit_rate']:.1f}% ({100 * r['hit_of_ideal']:.1f}% of ideal) "
+                  f"[{time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"# {platform.machine()}, window {args.window}, {args.conversations} chats x {args.turns} turns, "
-          f"concurrency {args.concurrency}, system prompt {args.system_prompt}")
-    print(f"{'blocks':>7} {'vLLM order':>11} {'window-aware':>13}   (mean hit rate over seeds; % of ideal)")
-    for nb in sorted({r["num_blocks"] for r in rows}):
-        cell = []
-        for aware in (False, True):
-            sel = [r for r in rows if r["num_blocks"] == nb and r["window_aware"] == aware]
-            cell.append(f"{100 * statistics.mean(r['hit_rate'] for r in sel):5.1f}% "
-                        f"({100 * statistics.mean(r['hit_of_ideal'] for r in sel):4.1f})")
-        print(f"{nb:>7} {cell[0]:>11} {cell[1]:>13}")
+    print_hit_table(args, rows, "num_blocks", "blocks", "window_aware", [("vLLM order", False), ("window-aware", True)])
     return 0
 
 

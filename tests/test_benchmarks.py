@@ -47,6 +47,20 @@ def test_window_eviction_benchmark_reaches_the_ideal_hits_in_an_ample_pool():
     assert all(r["hit_tokens"] > 0 and r["hit_of_ideal"] == 1.0 for r in rows)
 
 
+def test_policy_benchmark_hits_on_16_tokens_under_min_waste_and_32_under_vllm():
+    # A pool that evicts nothing: min-waste (one block size, 16) serves every 16-token block computed before;
+    # vllm (full-attention blocks of 32) only up to the last 32-token boundary, so less.
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/policy_hits.py"), "--conversations", "2",
+                           "--turns", "2", "--answer", "24", "--question", "24", "--window", "32",
+                           "--num-blocks", "600", "--seeds", "0", "--concurrency", "2", "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    vllm, ours = json.loads(proc.stdout)
+    assert (vllm["policy"], vllm["hit_unit"], ours["policy"], ours["hit_unit"]) == ("vllm", 32, "min-waste", 16)
+    assert ours["num_blocks"] == 2 * vllm["num_blocks"]  # the same bytes in half-size blocks
+    assert ours["hit_of_ideal"] == 1.0 and 0 < vllm["hit_tokens"] < ours["hit_tokens"]
+
+
 def test_allocator_benchmark_runs_both_decode_paths_and_reruns_with_hugepages():
     # 4 requests of one hybrid model: the vectorised prefill, idle steps (idle_decode) and busy ones.
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/allocator_step.py"), "--models", "gptoss",
