@@ -35,7 +35,7 @@ def group_blocks(layout: Layout, per_hash: jax.Array) -> jax.Array:
     """``[..., G, H]`` values per group and block index from ``[..., G, H]`` values per group and hash
     index: block ``i`` of group ``g`` takes the value at the hash that keys it (``Layout.key_index``);
     0 past the group's last hashed block. The identity with one block size."""
-    if layout.one_block_size and layout.hash_block_size == layout.block_sizes[0]:
+    if layout.one_block_size:
         return per_hash
     H = per_hash.shape[-1]
     idx = np.stack([layout.key_index(g, H) for g in range(layout.num_groups)])        # [G, H]

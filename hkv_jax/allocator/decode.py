@@ -251,7 +251,7 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
         old = pop.ids[jnp.clip(jnp.take_along_axis(taken.old_rank, i, axis=1), 0, B * G - 1)]
         new_block = jnp.where(cnt > 0, jnp.where(ids > 0, ids, old), 0)
         # The blocks that enter the prefix cache: those between ``before`` and ``nfull``, at most one
-        # scheduling unit of each group, so keyed by the last U hashes (``_cache_rows``).
+        # scheduling unit of each group, so keyed by the last U hashes (``cache_rows``).
         blk = jnp.stack([jnp.stack([
             jnp.where((cnt[:, g] > 0) & (new_idx[:, g] == i), new_block[:, g], entry(state.tables, g, i))
             for g, i in enumerate(at_row)], 1) for at_row in cache_rows(nfull)], 1)       # [B, U, G]

@@ -57,7 +57,7 @@ def computes_shared_block(hashes: jax.Array, nhit: jax.Array, nfull: jax.Array) 
 def by_hash(layout: Layout, blocks: jax.Array, H: int) -> jax.Array:
     """``[..., G, H]``: ``blocks: [..., G, M]`` (by each group's block index) placed at the hash index that
     keys each block (``Layout.key_index``), 0 at hashes that key no block of the group."""
-    if layout.one_block_size and layout.hash_block_size == layout.block_sizes[0]:
+    if layout.one_block_size:
         return fit_width(blocks, H)
     M = blocks.shape[-1]
     at = []

@@ -304,7 +304,7 @@ class PyAllocator:
         if not isinstance(group.spec, SlidingWindowSpec):
             return True
         segment = self.scheduler_block_size // group.block_size
-        return i % segment >= segment - cdiv(group.spec.sliding_window - 1, group.block_size)
+        return i % segment >= segment - max(cdiv(group.spec.sliding_window - 1, group.block_size), 1)
 
     def _put(self, b: int, key: Hashable) -> None:
         self._evict(b)

@@ -114,7 +114,7 @@ class Layout:
     @staticmethod
     def from_config(cfg: KVCacheConfig, max_model_len: int, max_requests: int,
                     window_aware_eviction: bool = False) -> "Layout":
-        """The layout of ``cfg``; raises ``ValueError`` for bad sizes."""
+        """The layout of ``cfg``; raises ``ValueError`` for a ``max_requests`` or ``max_model_len`` below 1."""
         if max_requests < 1 or max_model_len < 1:
             raise ValueError("max_requests and max_model_len must be positive")
         groups, parts = cfg.allocator_groups()
@@ -234,7 +234,7 @@ class AllocatorState:
         the properties below; write them with ``with_counters``).
       tokens: ``i32[R, T]`` known tokens of each request.
       salt: ``u32[R, 1]`` cache salt (keys the first block's hash).
-      hashes: ``u32[R, H, 4]`` hashes of the full blocks of the known tokens.
+      hashes: ``u32[R, H, 4]`` chained hashes of the known tokens, one per ``hash_block_size`` tokens.
       tables: ``i32[R, G, M]`` block tables (0 = null block).
 
     Counters (views of ``counts``):
