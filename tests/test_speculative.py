@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hkv_jax.engine.speculative import NgramSpec, ngram_drafts
+from hkv_jax.engine.speculative import NgramSpec, ngram_drafts, rejection_sample
 
 T = 24
 
@@ -50,3 +50,37 @@ def test_ngram_drafts_follow_the_latest_longest_earlier_match(seqs, k, lo, extra
 def test_bad_ngram_specs_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         NgramSpec(**fields)
+
+
+def test_greedy_verification_accepts_the_argmax_prefix_then_the_targets_token():
+    # Target argmax per position: 3, 1, 4, 0. Drafts: all right (bonus 0 after 3 tokens), wrong at 2 (the
+    # target's 4 replaces it), a 1-token draft, no draft.
+    probs = np.zeros((4, 4, 5), np.float32)
+    for i, t in enumerate([3, 1, 4, 0]):
+        probs[:, i, t] = 1.0
+    draft = np.array([[3, 1, 4], [3, 1, 2], [3, 0, 0], [0, 0, 0]], np.int32)
+    count = np.array([3, 3, 1, 0], np.int32)
+    tokens, n = jax.device_get(rejection_sample(draft, count, probs, np.ones(4, bool), jax.random.key(0)))
+    assert n.tolist() == [4, 3, 2, 1]
+    assert tokens.tolist() == [[3, 1, 4, 0], [3, 1, 4, 0], [3, 1, 0, 0], [3, 0, 0, 0]]
+
+
+def test_sampled_verification_keeps_the_targets_distribution():
+    """Chi-square: with a draft token the target finds unlikely (and one it finds likely), the first emitted
+    token is distributed as the target's p; after an accepted draft token the second one is too."""
+    from scipy.stats import chisquare
+
+    p0 = np.array([0.1, 0.5, 0.05, 0.25, 0.1])
+    p1 = np.array([0.3, 0.1, 0.2, 0.2, 0.2])
+    probs = np.stack([p0, p1])[None].astype(np.float32)                      # [1, 2, V]: k = 1
+    n = 20000
+    keys = jax.random.split(jax.random.key(1), n)
+    for x in (2, 1):
+        run = jax.jit(jax.vmap(lambda key, x=x: rejection_sample(np.array([[x]], np.int32), np.array([1], np.int32),
+                                                                  probs, np.zeros(1, bool), key)))
+        tokens, count = jax.device_get(run(keys))
+        first = tokens[:, 0, 0]
+        assert chisquare(np.bincount(first, minlength=5), p0 * n).pvalue > 1e-3
+        second = tokens[first == x, 0, 1]                                     # accepted: the bonus token
+        assert (count[first == x, 0] == 2).all() and (count[first != x, 0] == 1).all()
+        assert chisquare(np.bincount(second, minlength=5), p1 * len(second)).pvalue > 1e-3

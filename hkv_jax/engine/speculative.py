@@ -3,7 +3,10 @@
 ``NgramSpec`` is vLLM's ``ngram`` method (prompt lookup): a request's draft is the ``k`` tokens that followed
 the latest earlier occurrence of its last ``n`` tokens, for the largest ``n`` from ``prompt_lookup_max``
 down to ``prompt_lookup_min`` that occurs earlier in its prompt and output. ``ngram_drafts`` computes the
-drafts of a batch on the device, as a pure jnp function (it runs inside a step program).
+drafts of a batch on the device, as a pure jnp function (it runs inside a step program);
+``rejection_sample`` verifies them against the target model's distributions: greedy requests accept a
+draft token where it is the argmax, sampled ones with probability ``p(draft)`` (a deterministic draft's
+rejection sampling, which leaves every emitted token distributed as the target says).
 """
 
 from __future__ import annotations
@@ -59,3 +62,32 @@ def ngram_drafts(tokens: jax.Array, lengths: jax.Array, spec: NgramSpec) -> tupl
     idx = jnp.clip(best_end[:, None] + jnp.arange(k)[None, :], 0, T - 1)
     draft = jnp.where(jnp.arange(k)[None, :] < count[:, None], jnp.take_along_axis(tokens, idx, axis=1), 0)
     return draft.astype(jnp.int32), count.astype(jnp.int32)
+
+
+def rejection_sample(draft: jax.Array, count: jax.Array, probs: jax.Array, greedy: jax.Array,
+                     key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Verify deterministic drafts. ``draft: i32[B, k]`` with ``count: i32[B]`` valid tokens each;
+    ``probs: f32[B, k + 1, V]`` the target's sampling distribution at each position (position ``i``: after
+    the draft's first ``i`` tokens); ``greedy: bool[B]``; ``key``: a PRNG key.
+
+    Returns (``i32[B, k + 1]`` the tokens to emit, ``i32[B]`` how many: the accepted draft prefix, then one
+    token of the target's: at the first rejected position from ``p`` without the rejected token
+    (renormalised), or after a wholly accepted draft from ``p`` itself; 0 past them). Each emitted token
+    is distributed as the target's ``p`` at its position, whatever the draft."""
+    B, k = draft.shape
+    accept_key, sample_key = jax.random.split(key)
+    p_draft = jnp.take_along_axis(probs[:, :k], draft[..., None], axis=-1)[..., 0]               # [B, k]
+    is_argmax = jnp.argmax(probs[:, :k], axis=-1) == draft
+    ok = jnp.where(greedy[:, None], is_argmax, jax.random.uniform(accept_key, (B, k)) < p_draft)
+    ok &= jnp.arange(k)[None, :] < count[:, None]
+    accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)                          # [B]
+    p = jnp.take_along_axis(probs, accepted[:, None, None], axis=1)[:, 0]                          # [B, V]
+    rejected = jnp.take_along_axis(draft, jnp.minimum(accepted, k - 1)[:, None], axis=1)[:, 0]
+    residual = jnp.where((accepted < count)[:, None] & (jnp.arange(p.shape[-1])[None, :] == rejected[:, None]),
+                         0.0, p)
+    sampled = jax.random.categorical(sample_key, jnp.log(residual))
+    last = jnp.where(greedy, jnp.argmax(p, axis=-1), sampled).astype(jnp.int32)
+    pos = jnp.arange(k + 1)[None, :]
+    tokens = jnp.where(pos < accepted[:, None], jnp.pad(draft, ((0, 0), (0, 1))), 0)
+    tokens = jnp.where(pos == accepted[:, None], last[:, None], tokens)
+    return tokens.astype(jnp.int32), accepted + 1
