@@ -196,8 +196,8 @@ def _pool_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, help="requests served at once (default 8)")
     p.add_argument("--token-budget", type=int, help="tokens computed per step (default 64)")
     p.add_argument("--block-size", type=int, help="tokens per block (default 16)")
-    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
-                   help=f"the planner's grouping policy (default {DEFAULT_POLICY})")
+    p.add_argument("--policy", choices=POLICIES, default="vllm",
+                   help="the planner's grouping policy (default vllm, the engine's; min-waste: ours)")
     p.add_argument("--impl", choices=IMPLS, default="auto",
                    help="attention kernel (default auto: the fastest that serves the model's shapes here)")
 

@@ -23,12 +23,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 from flax import nnx
 
-from hkv_jax.engine import Engine, SamplingParams
+from hkv_jax.engine import Engine, EngineConfig, SamplingParams
 from hkv_jax.generate import GenerateConfig, engine_for
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.pretrained import INSTALL_HINT, is_pretrained, load_pretrained
 from hkv_jax.models.tiny import TinyConfig, TinyLM
-from hkv_jax.planner import DEFAULT_POLICY, cdiv, plan
+from hkv_jax.planner import cdiv, plan
 from hkv_jax.spec import MambaSpec
 
 TINY_MODELS = ("tiny-gemma3", "tiny-gemma4", "tiny-gptoss", "tiny-llama4", "tiny-jamba")
@@ -58,7 +58,7 @@ class DemoConfig:
     user_tokens: tuple[int, int] = (8, 24)
     answer_tokens: int | None = None   # default: 16 for a tiny model, 32 for a real one
     block_size: int = 16
-    policy: str = DEFAULT_POLICY       # the planner's
+    policy: str = EngineConfig.policy  # the planner's (the engine's default)
     impl: str = "auto"                 # the attention kernel (``kernels_pallas``)
     num_blocks: int | None = None      # default: 160 for a tiny model; a real one's: max_requests requests
     max_requests: int = 8

@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from hkv_jax.engine import Engine, SamplingParams
+from hkv_jax.engine import Engine, EngineConfig, SamplingParams
 from hkv_jax.models.pretrained import load_pretrained
 from hkv_jax.models.tokenizer import gemma_chat
-from hkv_jax.planner import DEFAULT_POLICY, plan
+from hkv_jax.planner import plan
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class GenerateConfig:
 
 def engine_for(model, max_model_len: int, *, max_requests: int = 1, block_size: int = 16,
                token_budget: int = 256, seed: int = 0, num_blocks: int | None = None,
-               policy: str = DEFAULT_POLICY, **kwargs) -> Engine:
+               policy: str = EngineConfig.policy, **kwargs) -> Engine:
     """An engine for ``model`` whose pool (unless ``num_blocks`` is given) holds ``max_requests`` requests of
     ``max_model_len`` tokens, counting a sliding window's extra blocks during a prefill chunk."""
     if num_blocks is None:

@@ -72,9 +72,12 @@ class Engine:
                                   max_call_seconds=config.max_call_seconds,
                                   max_top_logprobs=config.max_top_logprobs, max_logit_bias=config.max_logit_bias,
                                   mesh=mesh, stats=self.stats)
-        align = any(self.layout.is_mamba(g) for g in range(self.layout.num_groups))
+        # With Mamba layers, prefill chunks end on the Mamba groups' block boundaries (the planner may have
+        # raised their block size above config.block_size), where a state is kept.
+        mamba = self.layout.mamba_groups
         self.scheduler = Scheduler(max_requests=config.max_requests, token_budget=config.token_budget,
-                                   block_size=config.block_size, align=align, prefix_caching=config.prefix_caching,
+                                   block_size=self.layout.block_sizes[mamba[0]] if mamba else config.block_size,
+                                   align=bool(mamba), prefix_caching=config.prefix_caching,
                                    vectorised=config.vectorised)
         self.processor = OutputProcessor(self.scheduler, self.stats, detokenize, config.num_blocks)
         self.sampling_defaults = dict(ENGINE_DEFAULTS)
