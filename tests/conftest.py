@@ -78,6 +78,18 @@ TRACES = sorted(p for p in TRACE_DIR.glob("*.json") if not p.name.endswith(".exp
 COMPARE = ROOT / "tools" / "compare_replay.py"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop every compiled program after each test module. A worker that keeps them all runs out of memory
+    mappings late in the suite (XLA:CPU maps each program's code; ``vm.max_map_count`` is 65530): mmap then
+    fails anywhere ("Failed to materialize symbols", ``MemoryError``, a shared object that cannot map).
+    Tests share compiled programs within a module only (their xdist groups are per module)."""
+    yield
+    import jax
+
+    jax.clear_caches()
+
+
 def load_trace(path: Path) -> tuple[dict, dict]:
     """(trace, expected result) of a conformance trace."""
     return json.loads(path.read_text()), json.loads(path.with_suffix(".expected.json").read_text())
