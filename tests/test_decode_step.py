@@ -17,11 +17,14 @@ MODELS = {**HYBRID_MODELS, **MIXED_MODELS}
 # "sw+full" is a part of "three"; the unaligned ample pool only for "three" (the suite's time budget).
 # ``early``: window-aware eviction, where the first decode step's many releases go to the front of the
 # queue while blocks are taken (each request's new blocks come from them): still vectorised.
-@pytest.mark.parametrize("model,num_blocks,aligned,early", [
-    ("three", 40, False, False), ("three", 200, False, False), ("three", 200, True, False), ("three", 200, False, True),
-    ("mamba", 40, False, False), ("mamba", 200, True, False), ("full", 200, True, False),
-    ("mixed-3", 200, False, False)])
-def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned, early):
+# ``lookahead``: each lane also holds slots for 0-5 draft tokens (speculative decoding), some steps
+# taking two blocks of a group.
+@pytest.mark.parametrize("model,num_blocks,aligned,early,lookahead", [
+    ("three", 40, False, False, False), ("three", 200, False, False, False), ("three", 200, True, False, False),
+    ("three", 200, False, True, False), ("mamba", 40, False, False, False), ("mamba", 200, True, False, False),
+    ("full", 200, True, False, False), ("mixed-3", 200, False, False, False), ("three", 200, False, False, True),
+    ("mixed-3", 200, False, False, True)])
+def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned, early, lookahead):
     cfg = plan(MODELS[model], block_size=BS, policy="vllm", num_blocks=num_blocks)
     layout = Layout.from_config(cfg, max_model_len=T, max_requests=B, window_aware_eviction=early)
     rng = np.random.default_rng(num_blocks)
@@ -51,9 +54,10 @@ def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned, ear
     paths = set()
     for _ in range(12):
         st = append(layout, st, run, jnp.asarray(rng.integers(1, 4, len(running)), jnp.int32))
-        a, ok_a, path = decode(layout, st, run, fallback=fallback)
+        la = jnp.asarray(rng.integers(0, 6, len(running)) if lookahead else np.zeros(len(running)), jnp.int32)
+        a, ok_a, path = decode(layout, st, run, fallback=fallback, lookahead=la)
         paths.add(int(path))
-        b, ok_b, _, _ = sched(layout, st, run, jnp.ones(len(running), jnp.int32))
+        b, ok_b, _, _ = sched(layout, st, run, jnp.ones(len(running), jnp.int32), None, la)
         want, want_ok = (st, [False] * len(running)) if int(path) == 3 and not fallback else (b, ok_b)
         assert np.asarray(ok_a).tolist() == np.asarray(want_ok).tolist()
         assert semantic(a, layout) == semantic(want, layout)

@@ -41,12 +41,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.alloc = None
         self.jax = None
         self.next_id = 0
+        self.mamba = False
+        self.held = {}  # request id -> the most tokens a speculative step held slots for
 
     @precondition(lambda self: self.alloc is None)
     @rule(model=st.sampled_from(sorted(MODELS)))
     def setup(self, model):
         # One pool size per model, so that the jitted operations compile once per model.
         cfg = plan(MODELS[model], block_size=BS, policy=POLICY.get(model, "vllm"), num_blocks=NUM_BLOCKS.get(model, 10))
+        self.mamba = any(isinstance(s, MambaSpec) for s in MODELS[model])  # Mamba layers do not speculate
         self.alloc = PyAllocator(cfg, max_model_len=48)
         self.jax = KVCacheManager(cfg, max_model_len=48, max_requests=MAX_REQUESTS)
 
@@ -72,8 +75,28 @@ class AllocatorMachine(RuleBasedStateMachine):
         if not res["ok"] and r.status == WAITING:
             # A refused first schedule takes nothing.
             assert before == (self.alloc.ref, self.alloc.free_queue, self.alloc.cache, self.alloc.hash)
+        if res["ok"]:  # a table covers the computed tokens, and the lookahead of an earlier speculative step
+            held = max(r.num_computed, self.held.get(rid, 0))
+            lens = [-(-held // g.block_size) for g in self.alloc.groups]
+            assert all(len(t) == n for t, n in zip(r.tables, lens))
+
+    @precondition(lambda self: self.alloc is not None and not self.mamba and any(
+        r.status == RUNNING and len(r.tokens) - r.num_computed == 1 for r in self.alloc.requests.values()))
+    @rule(data=st.data(), lookahead=st.integers(0, 9))
+    def speculate(self, data, lookahead):
+        """A speculative decode step: one token scheduled with draft slots, then the verified tokens
+        (some accepted drafts and the target's token) booked."""
+        rid = data.draw(st.sampled_from(sorted(k for k, r in self.alloc.requests.items()
+                                               if r.status == RUNNING and len(r.tokens) - r.num_computed == 1)))
+        r = self.alloc.requests[rid]
+        lookahead = min(lookahead, 47 - len(r.tokens))
+        res = self.alloc.schedule(rid, 1, None, lookahead)
+        assert self.jax.schedule(rid, 1, None, lookahead) == res
         if res["ok"]:
-            assert all(len(t) == -(-r.num_computed // g.block_size) for t, g in zip(r.tables, self.alloc.groups))
+            self.held[rid] = max(self.held.get(rid, 0), min(r.num_computed + lookahead, 48))
+            emitted = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=lookahead + 1))
+            self.alloc.accept(rid, emitted)
+            self.jax.accept(rid, emitted)
 
     @precondition(lambda self: self.alloc is not None and self.alloc.requests)
     @rule(data=st.data())
@@ -81,6 +104,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.alloc.requests)))
         self.alloc.free(rid)
         self.jax.free(rid)
+        self.held.pop(rid, None)
 
     @precondition(
         lambda self: self.alloc is not None and any(r.status == RUNNING for r in self.alloc.requests.values())
@@ -91,6 +115,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(running))
         self.alloc.preempt(rid)
         self.jax.preempt(rid)
+        self.held.pop(rid, None)
 
     @precondition(lambda self: self.alloc is not None)
     @rule()

@@ -114,15 +114,18 @@ def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: ja
     return blocks, hit, boundary
 
 
-def token_counts(layout: Layout, C, T, h, num_tokens):
+def token_counts(layout: Layout, C, T, h, num_tokens, lookahead=0):
     """Token arithmetic of a schedule (scalars or per request): ``C`` computed, ``T`` known, ``h`` hit
-    tokens, ``num_tokens`` wanted (-1: all). Returns (new tokens ``n``, computed after the hit, tokens
-    after the call, tokens to hold, tokens whose blocks are cached after the call: ``cacheable_tokens``)."""
+    tokens, ``num_tokens`` wanted (-1: all), ``lookahead`` slots for unverified (draft) tokens after
+    them. Returns (new tokens ``n``, computed after the hit, tokens after the call, tokens to hold:
+    lookahead included, tokens whose blocks are cached after the call: ``cacheable_tokens``, known
+    tokens only)."""
     remaining = T - C - h
     n = jnp.where(num_tokens < 0, remaining, jnp.minimum(num_tokens, remaining))
     computed = jnp.minimum(C + h, layout.max_model_len)
     main = computed + n
-    return n, computed, main, jnp.minimum(main, layout.max_model_len), cacheable_tokens(layout, jnp.minimum(main, T))
+    return (n, computed, main, jnp.minimum(main + lookahead, layout.max_model_len),
+            cacheable_tokens(layout, jnp.minimum(main, T)))
 
 
 def fit_width(x: jax.Array, width: int) -> jax.Array:
@@ -178,8 +181,10 @@ class ScheduleResult(NamedTuple):
     first_new: jax.Array  # i32[G]: table index of the first entry this call appended
 
 
-def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[AllocatorState, ScheduleResult]:
-    """Allocate slots for up to ``num_tokens`` (-1: all) more tokens of the request in ``slot``."""
+def schedule(layout: Layout, state: AllocatorState, slot, num_tokens, lookahead=0) -> tuple[AllocatorState, ScheduleResult]:
+    """Allocate slots for up to ``num_tokens`` (-1: all) more tokens of the request in ``slot``, and for
+    ``lookahead`` draft tokens after them (speculative decoding: their slots are held, never cached, and
+    ``num_computed`` does not count them; ``requests.accept_drafts`` books the verified ones)."""
     G, M = layout.num_groups, layout.max_blocks
     waiting = state.status[slot] == WAITING
     H = state.hashes.shape[1]
@@ -187,7 +192,7 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
     hits, h, boundary = jax.lax.cond(waiting, lambda: lookup(layout, state, slot), lambda: no_hit)
     hits_m = fit_width(hits, M)  # i32[G, M]
     C, T = state.num_computed[slot], state.num_tokens[slot]
-    n, computed, main, need, cached = token_counts(layout, C, T, h, num_tokens)
+    n, computed, main, need, cached = token_counts(layout, C, T, h, num_tokens, lookahead)
     nhit_g = [h // bs for bs in layout.block_sizes]
     idx = jnp.arange(M)
 
@@ -252,27 +257,30 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens) -> tuple[A
     return st, ScheduleResult(ok, n, h, boundary, hits, first_new)
 
 
-def schedule_batch(layout: Layout, state: AllocatorState, slots, num_tokens, mask=None):
+def schedule_batch(layout: Layout, state: AllocatorState, slots, num_tokens, mask=None, lookahead=None):
     """``schedule`` for each request in order (one XLA program, same results as one call each).
 
     ``mask: bool[B]``, optional: only these lanes run (the others report nothing); the loop visits
-    the active lanes only, so a mostly idle batch costs what its active lanes cost.
+    the active lanes only, so a mostly idle batch costs what its active lanes cost. ``lookahead:
+    i32[B]``, optional: each lane's draft slots (``schedule``).
     Returns (state, ok ``bool[B]``, new tokens ``i32[B]``, cache-hit tokens ``i32[B]``).
     """
     B = slots.shape[0]
+    if lookahead is None:
+        lookahead = jnp.zeros(B, jnp.int32)
     if mask is None:
         def body(st, x):
-            st, r = schedule(layout, st, x[0], x[1])
+            st, r = schedule(layout, st, *x)
             return st, (r.ok, r.num_new_tokens, r.cache_hit_tokens)
 
-        state, (ok, n, h) = jax.lax.scan(body, state, (slots, num_tokens))
+        state, (ok, n, h) = jax.lax.scan(body, state, (slots, num_tokens, lookahead))
         return state, ok, n, h
     lanes = jnp.nonzero(mask, size=B, fill_value=0)[0]
 
     def one(i, c):
         st, ok, n, h = c
         lane = lanes[i]
-        st, r = schedule(layout, st, slots[lane], num_tokens[lane])
+        st, r = schedule(layout, st, slots[lane], num_tokens[lane], lookahead[lane])
         return st, ok.at[lane].set(r.ok), n.at[lane].set(r.num_new_tokens), h.at[lane].set(r.cache_hit_tokens)
 
     zeros = jnp.zeros(B, jnp.int32)

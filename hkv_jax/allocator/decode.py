@@ -46,7 +46,7 @@ class _DecodeInputs(NamedTuple):
     tables: jax.Array | None  # None where no group releases blocks as tokens come (nothing to read)
 
 
-def decode_step(layout: Layout, state: AllocatorState, slots, fallback: bool = True, mask=None):
+def decode_step(layout: Layout, state: AllocatorState, slots, fallback: bool = True, mask=None, lookahead=None):
     """Every request in ``slots`` (distinct, running) allocates slots for one more token: one vectorised program.
 
     ``mask: bool[B]`` (optional): the lanes that take part; the others change nothing and report
@@ -66,10 +66,14 @@ def decode_step(layout: Layout, state: AllocatorState, slots, fallback: bool = T
     state, slots, 1)`` itself. The program is much smaller, and on CPU a call's fixed cost grows with
     the program even where a branch never runs. A host loop on CPU does better still with
     ``idle_decode`` first (see there).
+
+    ``lookahead: i32[B]`` (optional): each lane also holds slots for that many draft tokens after its
+    token (``schedule``'s ``lookahead``); a lane that needs two new blocks of a group for them takes the
+    sequential path.
     """
     if mask is None:
         mask = jnp.ones(slots.shape, bool)
-    return _decode(layout, state, slots, mask, fallback, count_only=False)
+    return _decode(layout, state, slots, mask, fallback, count_only=False, lookahead=lookahead)
 
 
 def count_if_idle(layout: Layout, state: AllocatorState, slots, mask) -> tuple[AllocatorState, jax.Array]:
@@ -115,7 +119,8 @@ def _plan_releases(cache, pool: free_queue.FreeBlockQueue, calls: jax.Array, ear
     return free_queue.plan_free(pool, calls, block_pool.to_back(cache, calls, early))
 
 
-def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, fallback: bool, count_only: bool):
+def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, fallback: bool, count_only: bool,
+            lookahead=None):
     """``decode_step``'s body; ``count_only``: its idle path alone (the new counts, and per lane whether
     it only counts its token), computed before anything busy (from the ``_DecodeInputs`` only)."""
     G, M, R = layout.num_groups, layout.max_blocks, layout.max_requests
@@ -125,7 +130,7 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
     C, T = counter(rows, "num_computed"), counter(rows, "num_tokens")
     computed = jnp.minimum(C, layout.max_model_len)
     main = computed + 1
-    need = jnp.minimum(main, layout.max_model_len)
+    need = jnp.minimum(main + (0 if lookahead is None else lookahead), layout.max_model_len)
     lens = counter(rows, "table_len")                                        # [B, G]
     retired, last_state = counter(rows, "retired"), counter(rows, "last_state")
     bidx = jnp.arange(B)
@@ -173,7 +178,7 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
 
     cnt, new_idx, lens_new, last_new = (jnp.stack(x, 1) for x in zip(*(
         allocation(layout, g, lens[:, g], main, need, last_state[:, g]) for g in range(G))))
-    cnt = jnp.where(mask[:, None], cnt, 0)                                   # [B, G], each count 0 or 1
+    cnt = jnp.where(mask[:, None], cnt, 0)                                   # [B, G], 0 or 1 but for lookahead
     total = jnp.sum(cnt)
     before = counter(rows, "num_cached")                                     # [B, G]
     cached = cacheable_tokens(layout, jnp.minimum(C + 1, T))
@@ -264,7 +269,7 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
         releases = _plan_releases(cache, pool, flat[:, None], early[:, None])
         pop = free_queue.pop_plan(pool, total, B * G)  # enough blocks free before the step, whatever the releases give
         vectorisable = (jnp.all(running | ~mask) & (total <= pool.num_free) & pop.enough
-                        & jnp.all(nfull - before <= segments))
+                        & jnp.all(nfull - before <= segments) & jnp.all(cnt <= 1))
         # Vectorised, the blocks cached lie in the last scheduling unit: keyed by its U hashes.
         hu = cached // layout.hash_block_size
         keys = state.hashes[slots[:, None], jnp.clip(hu[:, None] - U + jnp.arange(U)[None, :], 0,
@@ -333,7 +338,7 @@ def _decode(layout: Layout, state: AllocatorState | _DecodeInputs, slots, mask, 
         return cond_mutable(rel.fits & alone, lambda s: vectorised(s, plan, rows_after), unapplied, state)
 
     def sequential(state: AllocatorState):
-        st, ok, _, _ = schedule_batch(layout, state, slots, jnp.ones(B, jnp.int32), mask)
+        st, ok, _, _ = schedule_batch(layout, state, slots, jnp.ones(B, jnp.int32), mask, lookahead)
         return st, (ok, jnp.int32(DecodePath.FALLBACK))
 
     def busy(state: AllocatorState):

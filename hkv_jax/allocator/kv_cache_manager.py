@@ -26,6 +26,7 @@ def jitted_ops(layout: Layout, donate: bool = False) -> dict[str, Any]:
     return {
         "add": jax.jit(ops.add_request, static_argnums=0, donate_argnums=d),
         "append": jax.jit(ops.append_token, static_argnums=0, donate_argnums=d),
+        "accept": jax.jit(ops.accept_drafts, static_argnums=0, donate_argnums=d),
         "schedule": jax.jit(ops.schedule, static_argnums=0, donate_argnums=d),
         "free": jax.jit(ops.free, static_argnums=0, donate_argnums=d),
         "preempt": jax.jit(ops.preempt, static_argnums=0, donate_argnums=d),
@@ -100,10 +101,12 @@ class KVCacheManager:
         self.state = self._ops["add"](self.layout, self.state, slot, toks, len(prompt), np.uint32(salt))
         self._slots[rid] = slot
 
-    def schedule(self, rid: str, num_tokens: int | str = "all", output_token: int | None = None) -> dict[str, Any]:
+    def schedule(self, rid: str, num_tokens: int | str = "all", output_token: int | None = None,
+                 lookahead: int = 0) -> dict[str, Any]:
         """Allocate slots for ``num_tokens`` more tokens (``"all"``: the rest); trace-format result fields.
 
         When the call completes the known tokens and ``output_token`` is given, it is appended.
+        ``lookahead``: slots for that many draft tokens after them too (``accept`` books them).
         """
         slot = self._slot(rid)
         view = jax.device_get(_request_view(self.state, slot))
@@ -112,7 +115,9 @@ class KVCacheManager:
         want = -1 if num_tokens == "all" else int(num_tokens)
         if want == 0 or want < -1:
             raise ValueError(f"num_tokens must be positive or 'all', got {num_tokens!r}")
-        self.state, r = self._ops["schedule"](self.layout, self.state, slot, want)
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {lookahead!r}")
+        self.state, r = self._ops["schedule"](self.layout, self.state, slot, want, lookahead)
         r = jax.device_get(r)
         res: dict[str, Any] = {"num_computed_tokens_before": before}
         if was_waiting:
@@ -145,6 +150,19 @@ class KVCacheManager:
         if int(jax.device_get(_request_view(self.state, slot))["num_tokens"]) >= self.layout.max_model_len:
             raise ValueError(f"request {rid!r} is at max_model_len ({self.layout.max_model_len})")
         self.state = self._ops["append"](self.layout, self.state, slot, int(token))
+
+    def accept(self, rid: str, tokens: list[int]) -> None:
+        """After a schedule of one token with lookahead: append ``tokens`` (the accepted drafts, then the
+        target's token) and count the drafts among them as computed (``ops.accept_drafts``)."""
+        slot = self._slot(rid)
+        view = jax.device_get(_request_view(self.state, slot))
+        if not tokens or int(view["num_tokens"]) + len(tokens) > self.layout.max_model_len:
+            raise ValueError(f"accept needs 1..{self.layout.max_model_len - int(view['num_tokens'])} tokens, "
+                             f"got {len(tokens)}")
+        if int(view["num_computed"]) != int(view["num_tokens"]):
+            raise ValueError(f"request {rid!r} has known tokens not yet computed: nothing to accept after")
+        self.state = self._ops["accept"](self.layout, self.state, np.array([slot], np.int32),
+                                         np.array([tokens], np.int32), np.array([len(tokens)], np.int32))
 
     def free(self, rid: str) -> None:
         """Release every block of a request and forget it."""

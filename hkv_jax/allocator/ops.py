@@ -3,6 +3,7 @@
 One namespace over vLLM's layering (each layer a module of its own):
 
 - ``requests``: a request's life (``add_request``/``admit_batch``, ``append_token``/``append_batch``,
+  ``accept_drafts``,
   ``free``/``preempt``/``release_batch``, ``fork``, ``new_step``, ``reset_prefix_cache``);
 - ``coordinator``: one request across every group (``lookup``, ``schedule``, ``schedule_batch``);
 - ``managers``: the per-type rules the others apply;
@@ -14,6 +15,7 @@ from hkv_jax.allocator.coordinator import ScheduleResult, lookup, schedule, sche
 from hkv_jax.allocator.decode import count_if_idle, decode_step, idle_decode
 from hkv_jax.allocator.prefill import prefill_batch
 from hkv_jax.allocator.requests import (
+                                        accept_drafts,
                                         add_batch,
                                         add_request,
                                         admit_batch,
@@ -29,6 +31,7 @@ from hkv_jax.allocator.requests import (
 
 __all__ = [
     "ScheduleResult",
+    "accept_drafts",
     "add_batch",
     "add_request",
     "admit_batch",

@@ -333,9 +333,10 @@ class PyAllocator:
         r.num_cached[g] = max(before, full)
 
     def allocate_slots(
-        self, rid: str, num_new: int, hits: list[list[int]] | None = None, num_hit: int = 0
+        self, rid: str, num_new: int, hits: list[list[int]] | None = None, num_hit: int = 0, lookahead: int = 0
     ) -> list[list[int]] | None:
-        """Allocate slots for ``num_new`` more tokens (after ``num_hit`` hit tokens for a waiting request).
+        """Allocate slots for ``num_new`` more tokens (after ``num_hit`` hit tokens for a waiting request),
+        and for ``lookahead`` draft tokens after them (held, never cached: only known tokens are).
 
         All or nothing across groups: returns the table entries appended after the hit blocks, per
         group, or None when the pool cannot supply the blocks.
@@ -345,7 +346,7 @@ class PyAllocator:
         hits = hits or [[] for _ in range(ng)]
         computed = min(r.num_computed + num_hit, self.max_model_len)
         main = computed + num_new
-        need = min(main, self.max_model_len)
+        need = min(main + lookahead, self.max_model_len)
         for g in range(ng):
             self._remove_skipped(r, g, computed)
         wanted = sum(self._blocks_to_allocate(r, g, need, main, hits[g], computed) for g in range(ng))
@@ -379,8 +380,9 @@ class PyAllocator:
         r.status = WAITING
         return r
 
-    def schedule(self, rid: str, num_tokens: int | str, output_token: int | None) -> dict[str, Any]:
-        """One ``schedule`` event (trace-format 2.3); returns its result fields."""
+    def schedule(self, rid: str, num_tokens: int | str, output_token: int | None, lookahead: int = 0) -> dict[str, Any]:
+        """One ``schedule`` event (trace-format 2.3); returns its result fields. ``lookahead``: slots for
+        that many draft tokens too (speculative decoding; ``accept`` books the verified ones)."""
         r = self.requests[rid]
         res: dict[str, Any] = {"num_computed_tokens_before": r.num_computed}
         hits, h = None, 0
@@ -393,7 +395,7 @@ class PyAllocator:
         res["num_new_tokens"] = n
         if n <= 0:
             raise ValueError(f"nothing to schedule for request {rid!r}")
-        new_ids = self.allocate_slots(rid, n, hits, h)
+        new_ids = self.allocate_slots(rid, n, hits, h, lookahead)
         res["ok"] = new_ids is not None
         if new_ids is None:
             return res
@@ -406,6 +408,13 @@ class PyAllocator:
             r.tokens.append(int(output_token))
             res["sampled_tokens"] = [int(output_token)]
         return res
+
+    def accept(self, rid: str, tokens: list[int]) -> None:
+        """The verified end of a speculative step: ``tokens`` (accepted drafts, then the target's token) are
+        appended and the drafts among them count as computed (their blocks are cached at the next schedule)."""
+        r = self.requests[rid]
+        r.tokens += [int(t) for t in tokens]
+        r.num_computed += len(tokens) - 1
 
     def free(self, rid: str) -> None:
         """Release every block of a request and forget it."""
