@@ -181,7 +181,8 @@ class ScheduleResult(NamedTuple):
     first_new: jax.Array  # i32[G]: table index of the first entry this call appended
 
 
-def schedule(layout: Layout, state: AllocatorState, slot, num_tokens, lookahead=0) -> tuple[AllocatorState, ScheduleResult]:
+def schedule(layout: Layout, state: AllocatorState, slot, num_tokens,
+             lookahead=0) -> tuple[AllocatorState, ScheduleResult]:
     """Allocate slots for up to ``num_tokens`` (-1: all) more tokens of the request in ``slot``, and for
     ``lookahead`` draft tokens after them (speculative decoding: their slots are held, never cached, and
     ``num_computed`` does not count them; ``requests.accept_drafts`` books the verified ones)."""
