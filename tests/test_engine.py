@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 from flax import nnx
 
 from hkv_jax.cache import read_mamba_state
-from hkv_jax.engine import Engine, sample
+from hkv_jax.engine import Engine, NgramSpec, sample
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 
@@ -67,16 +69,21 @@ SAME_SIZES = {name: pytest.mark.xdist_group(f"{name}-parity-sizes")
               for name in ("tiny-gemma3", "tiny-llama4", "tiny-jamba")}
 
 
-@pytest.mark.parametrize("name,policy", [
-    pytest.param(name, policy, marks=[SAME_SIZES[name]] if name in SAME_SIZES else [])
-    for name, policy in sorted(PARITY_BLOCKS)])
-def test_engine_generates_the_dense_models_tokens(name, policy):
+# Speculative decoding (n-gram drafts of 3 tokens) on every attention-only tiny model: the same tokens and
+# logits, with the drafts' slots taken from the same small pool.
+SPECULATIVE = {("tiny-gemma3", "vllm"), ("tiny-gptoss", "vllm"), ("tiny-llama4", "vllm"), ("tiny-gemma4", "vllm")}
+
+
+@pytest.mark.parametrize("name,policy,speculative", [
+    pytest.param(name, policy, spec, marks=[SAME_SIZES[name]] if name in SAME_SIZES and not spec else [])
+    for name, policy in sorted(PARITY_BLOCKS) for spec in (False, True) if not spec or (name, policy) in SPECULATIVE])
+def test_engine_generates_the_dense_models_tokens(name, policy, speculative):
     model = tiny(name)
     # A pool small enough that the run preempts; a token budget that chunks the prefills.
     eng = Engine(model, num_blocks=PARITY_BLOCKS[name, policy], block_size=8, max_requests=4,
                  max_model_len=MAX_LEN, token_budget=32, token_buckets=None if name in DEFAULT_BUCKETS else (32,),
                  impl=IMPL.get(name, "reference"), policy=policy, max_top_logprobs=MAX_TOP_LOGPROBS.get(name, 0),
-                 max_logit_bias=MAX_LOGIT_BIAS.get(name, 0))
+                 max_logit_bias=MAX_LOGIT_BIAS.get(name, 0), speculative=NgramSpec(3) if speculative else None)
     if name == "tiny-gemma4":  # what the two policies plan for it
         groups = eng.kv_cache_config.groups
         assert {g.block_size for g in groups} == ({8} if policy == "min-waste" else {8, 16})
@@ -86,11 +93,18 @@ def test_engine_generates_the_dense_models_tokens(name, policy):
     ids = [eng.add_request(p, new) for p in prompts]
     logits = {rid: [] for rid in ids}
     while eng.has_work:
+        emitted = collections.Counter()
         for rid, _ in eng.step():  # each token's logits row stays on the device until read here
-            logits[rid].append(np.asarray(eng.last_output.logits[eng.last_rows[rid]]))
+            row = eng.last_output.logits[eng.last_rows[rid]]  # a speculative step's: one per emitted position
+            logits[rid].append(np.asarray(row if row.ndim == 1 else row[emitted[rid]]))
+            emitted[rid] += 1
     out = {rid: r.generated for rid, r in eng.requests.items()}
-    assert {str(s.token_budget) for s in eng.statics} <= set(eng.stats.bucket_steps)  # every bucket ran
-    assert any(k.startswith("lean") for k in eng.stats.bucket_steps) and eng.stats.lean_misses == 0
+    ran = {k.removeprefix("speculative ") for k in eng.stats.bucket_steps}
+    assert {str(s.token_budget) for s in eng.statics} <= ran  # every bucket ran
+    if speculative:  # drafts were verified and accepted (rejections: test_speculative_decoding_...)
+        assert eng.stats.spec_accepted_tokens > 0
+    else:
+        assert any(k.startswith("lean") for k in eng.stats.bucket_steps) and eng.stats.lean_misses == 0
     assert eng.stats.preemptions >= 1
     assert eng.stats.cache_hit_tokens > 0
     assert eng.stats.device_to_host == eng.stats.steps  # one report read per step

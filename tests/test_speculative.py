@@ -1,4 +1,6 @@
-"""Speculative decoding's drafts against a plain-Python statement of prompt lookup."""
+"""Speculative decoding's drafts against a plain-Python statement of prompt lookup, and their verification."""
+
+import collections
 
 import jax
 import numpy as np
@@ -6,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hkv_jax.engine.speculative import NgramSpec, ngram_drafts, rejection_sample
+from hkv_jax.engine import Engine, EngineConfig, SamplingParams
+from hkv_jax.engine.speculative import NgramSpec, accepted_drafts, ngram_drafts
 
 T = 24
 
@@ -52,35 +55,129 @@ def test_bad_ngram_specs_are_refused(fields, message):
         NgramSpec(**fields)
 
 
-def test_greedy_verification_accepts_the_argmax_prefix_then_the_targets_token():
-    # Target argmax per position: 3, 1, 4, 0. Drafts: all right (bonus 0 after 3 tokens), wrong at 2 (the
-    # target's 4 replaces it), a 1-token draft, no draft.
-    probs = np.zeros((4, 4, 5), np.float32)
-    for i, t in enumerate([3, 1, 4, 0]):
-        probs[:, i, t] = 1.0
-    draft = np.array([[3, 1, 4], [3, 1, 2], [3, 0, 0], [0, 0, 0]], np.int32)
-    count = np.array([3, 3, 1, 0], np.int32)
-    tokens, n = jax.device_get(rejection_sample(draft, count, probs, np.ones(4, bool), jax.random.key(0)))
-    assert n.tolist() == [4, 3, 2, 1]
-    assert tokens.tolist() == [[3, 1, 4, 0], [3, 1, 4, 0], [3, 1, 0, 0], [3, 0, 0, 0]]
+def test_verification_accepts_drafts_up_to_the_first_that_differs_from_the_targets_token():
+    # The target's tokens at each position: 3, 1, 4, 0. Drafts: all right (4 emitted), wrong at 2, wrong at 0,
+    # a 1-token draft (right), no draft; a right token past the draft's count is not accepted.
+    sampled = np.array([[3, 1, 4, 0]] * 5, np.int32)
+    draft = np.array([[3, 1, 4], [3, 1, 2], [2, 1, 4], [3, 1, 4], [0, 0, 0]], np.int32)
+    count = np.array([3, 3, 3, 1, 0], np.int32)
+    assert jax.device_get(accepted_drafts(draft, count, sampled)).tolist() == [3, 2, 0, 1, 0]
 
 
-def test_sampled_verification_keeps_the_targets_distribution():
-    """Chi-square: with a draft token the target finds unlikely (and one it finds likely), the first emitted
-    token is distributed as the target's p; after an accepted draft token the second one is too."""
-    from scipy.stats import chisquare
+# --- the engine with speculative decoding ------------------------------------------------------------
 
-    p0 = np.array([0.1, 0.5, 0.05, 0.25, 0.1])
-    p1 = np.array([0.3, 0.1, 0.2, 0.2, 0.2])
-    probs = np.stack([p0, p1])[None].astype(np.float32)                      # [1, 2, V]: k = 1
-    n = 20000
-    keys = jax.random.split(jax.random.key(1), n)
-    for x in (2, 1):
-        run = jax.jit(jax.vmap(lambda key, x=x: rejection_sample(np.array([[x]], np.int32), np.array([1], np.int32),
-                                                                  probs, np.zeros(1, bool), key)))
-        tokens, count = jax.device_get(run(keys))
-        first = tokens[:, 0, 0]
-        assert chisquare(np.bincount(first, minlength=5), p0 * n).pvalue > 1e-3
-        second = tokens[first == x, 0, 1]                                     # accepted: the bonus token
-        assert (count[first == x, 0] == 2).all() and (count[first != x, 0] == 1).all()
-        assert chisquare(np.bincount(second, minlength=5), p1 * len(second)).pvalue > 1e-3
+# One size for every engine here, in one worker: each program compiles once.
+SIZES = dict(num_blocks=160, block_size=8, max_requests=4, max_model_len=96, token_budget=32, token_buckets=(32,),
+             impl="reference")
+SPEC = NgramSpec(3)
+ENGINES = pytest.mark.xdist_group("speculative-engines")
+
+
+def engine(speculative: bool, seed: int = 0) -> Engine:
+    from test_engine import tiny
+
+    return Engine(tiny("tiny-gemma3"), seed=seed, speculative=SPEC if speculative else None, **SIZES)
+
+
+def periodic(seed: int, n: int = 4) -> list[list[int]]:
+    """Prompts that repeat a random phrase: the drafts find it, the random model mostly does not follow it."""
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, 256, 6)] * 5 + [int(t) for t in rng.integers(0, 256, 3)]
+            for _ in range(n)]
+
+
+def cached_hashes(eng: Engine) -> set:
+    """(block hash, group) of every prefix-cache entry (freed window blocks taken again leave: the sets
+    of two runs differ by group)."""
+    cache = jax.device_get(eng.state.alloc.block_pool.prefix_cache)
+    return {(tuple(cache.keys[s]), g) for s, g in zip(*np.nonzero(cache.block))}
+
+
+PARAMS = [SamplingParams(20),
+          SamplingParams(20, temperature=1.0, top_k=5, seed=7),
+          SamplingParams(20, temperature=0.8, top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.4, seed=11),
+          SamplingParams(20, stop=(3,), speculative=False)]
+
+
+@ENGINES
+def test_speculation_keeps_greedy_seeded_and_penalised_tokens_and_caches_only_verified_blocks():
+    """Greedy, seeded (with cuts and penalties) and opted-out requests give the same tokens with drafts
+    verified and rejected; the prefix cache then holds only blocks of verified tokens, and nothing leaks."""
+    runs = {}
+    for speculative in (False, True):
+        eng = engine(speculative)
+        ids = [eng.add_request(p, params) for p, params in zip(periodic(0), PARAMS)]
+        out = eng.run()
+        runs[speculative] = [out[i] for i in ids], cached_hashes(eng), eng
+    (plain, plain_cached, _), (spec, spec_cached, eng) = runs[False], runs[True]
+    assert spec == plain
+    s = eng.stats
+    assert s.spec_draft_tokens > s.spec_accepted_tokens > 0  # rejections and acceptances both
+    assert eng.requests[3].draft_tokens == 0  # it opted out
+    # The plain run cached every full block of verified tokens (in its full-attention groups, which this
+    # pool never evicts): each block the speculative run cached holds verified tokens only.
+    assert {h for h, _ in spec_cached} <= {h for h, _ in plain_cached}
+    free_queue = eng.state.alloc.block_pool.free_queue
+    assert int(free_queue.num_free) == eng.layout.num_blocks - 1 and not np.asarray(free_queue.ref_count).any()
+
+
+@ENGINES
+def test_sampled_tokens_keep_their_distribution_with_speculation():
+    """Chi-square (two samples): unseeded requests at temperature 1 with top-k 4 draw their second and third
+    tokens from the same distribution with drafts as without."""
+    from scipy.stats import chi2_contingency
+
+    prompt = periodic(1, 1)[0]
+    counts = {}
+    for speculative in (False, True):
+        eng = engine(speculative, seed=speculative)
+        ids = [eng.add_request(prompt, SamplingParams(3, temperature=1.0, top_k=4)) for _ in range(240)]
+        eng.run()
+        for pos in (1, 2):
+            counts[speculative, pos] = collections.Counter(eng.requests[i].generated[pos] for i in ids)
+        if speculative:
+            assert eng.stats.spec_accepted_tokens > 20 and eng.stats.spec_draft_tokens > eng.stats.spec_accepted_tokens
+    for pos in (1, 2):
+        tokens = sorted(set(counts[False, pos]) | set(counts[True, pos]))
+        table = np.array([[counts[spec, pos][t] for t in tokens] for spec in (False, True)])
+        table = table[:, table.sum(0) >= 10]  # categories seen often enough for the test
+        assert table.shape[1] >= 2 and chi2_contingency(table).pvalue > 1e-3
+
+
+@ENGINES
+def test_snapshots_forks_and_checkpoints_with_speculation(tmp_path):
+    eng = engine(True, seed=3)
+    for p in periodic(2, 2):
+        eng.add_request(p, SamplingParams(16, temperature=0.7, seed=2))
+    parent = eng.add_request(periodic(3, 1)[0], 16)
+    for _ in range(4):
+        eng.step()
+    snap = eng.snapshot()
+    eng.save(tmp_path / "ckpt")
+    first = {rid: list(t) for rid, t in eng.run().items()}
+    eng.restore(snap)
+    assert {rid: list(t) for rid, t in eng.run().items()} == first
+    other = engine(True, seed=3)
+    other.load(tmp_path / "ckpt")
+    assert {rid: list(t) for rid, t in other.run().items()} == first
+    eng.restore(snap)
+    child = eng.fork(parent)
+    out = eng.run()
+    assert out[child] == out[parent] == first[parent]  # greedy: the child continues like its parent
+
+
+def test_bad_speculative_configs_are_refused_before_anything_compiles():
+    from test_engine import tiny
+
+    with pytest.raises(ValueError, match="token budget of at least 5"):
+        EngineConfig(num_blocks=64, token_budget=4, speculative=NgramSpec(4))
+    with pytest.raises(ValueError, match="decode_steps must be 1"):
+        EngineConfig(num_blocks=64, decode_steps=4, speculative=NgramSpec(2))
+    with pytest.raises(ValueError, match="no room for a draft"):
+        EngineConfig(num_blocks=64, max_model_len=4, token_budget=8, speculative=NgramSpec(3))
+    with pytest.raises(ValueError, match="NgramSpec"):
+        EngineConfig(num_blocks=64, speculative=3)
+    with pytest.raises(ValueError, match="Mamba"):
+        Engine(tiny("tiny-jamba"), num_blocks=64, block_size=8, speculative=NgramSpec(2), policy="min-waste")
+    with pytest.raises(ValueError, match="speculative must be True or False"):
+        SamplingParams(4, speculative="yes")

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from hkv_jax.engine.sampling_params import is_integer, is_number
+from hkv_jax.engine.speculative import NgramSpec
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,11 @@ class EngineConfig:
     ``max_top_logprobs``: the most likeliest tokens a request may ask to see per generated token (0 leaves
     them out of the step). ``max_logit_bias``: the most logit-bias entries a request may carry (its
     ``logit_bias``, plus one per stop token under ``min_tokens``; 0 leaves them out of the plan).
+
+    ``speculative``: speculative decoding (``NgramSpec``): each decoding request drafts up to ``k`` tokens
+    in the step and verifies them in the same program; its tokens equal those it decodes without (for a
+    greedy or seeded request, token for token). Its drafts take token budget (``1 + k`` a request);
+    one step a call (``decode_steps`` 1).
     """
 
     num_blocks: int
@@ -52,6 +58,7 @@ class EngineConfig:
     max_call_seconds: float | None = None
     max_top_logprobs: int = 0
     max_logit_bias: int = 0
+    speculative: NgramSpec | None = None
 
     def __post_init__(self):
         for name in ("token_budget", "max_requests", "max_model_len", "block_size", "decode_steps"):
@@ -64,6 +71,19 @@ class EngineConfig:
         for name in ("max_top_logprobs", "max_logit_bias"):
             if not is_integer(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer in [0, vocab_size], got {getattr(self, name)!r}")
+        spec = self.speculative
+        if spec is not None:
+            if not isinstance(spec, NgramSpec):
+                raise ValueError(f"speculative must be an NgramSpec or None, got {spec!r}")
+            k = spec.num_speculative_tokens
+            if k + 1 > self.token_budget:
+                raise ValueError(f"num_speculative_tokens {k} needs a token budget of at least {k + 1} (a request "
+                                 f"verifies its draft and one token more in a step), got {self.token_budget}")
+            if k + 2 > self.max_model_len:
+                raise ValueError(f"num_speculative_tokens {k} leaves no room for a draft in max_model_len "
+                                 f"{self.max_model_len} (a prompt token, k drafts and the target's token)")
+            if self.decode_steps != 1:
+                raise ValueError("speculative decoding runs one step a call: decode_steps must be 1")
         buckets = self.buckets
         if buckets[0] < 1 or buckets[-1] != self.token_budget:
             raise ValueError(f"token_buckets must be positive and end at token_budget {self.token_budget}, "

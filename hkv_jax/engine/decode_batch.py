@@ -44,9 +44,9 @@ class DecodeBatch:
     pending: list[np.ndarray] = field(default_factory=list)
     # Their log-probabilities, kept only when some request asked: (f32[k, n], i32[k, N, n], f32[k, N, n]).
     pending_logprobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
-    # The slots and token counts (i32[R] each) of a step that decodes them all: every such step plans the
-    # same, so the scheduler builds them once.
-    step_arrays: tuple[np.ndarray, np.ndarray] | None = None
+    # The slots, token counts and draft tokens (i32[R] each; drafts None without any) of a step that decodes
+    # them all: every such step plans the same, so the scheduler builds them once.
+    step_arrays: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
 
     @staticmethod
     def of(version: int, requests: list[Request]) -> "DecodeBatch":

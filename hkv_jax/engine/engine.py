@@ -66,19 +66,24 @@ class Engine:
                                          max_requests=config.max_requests,
                                          window_aware_eviction=config.window_aware_eviction)
         check_kernel(self.kv_cache_config, config.impl, self.layout.max_blocks)
+        if config.speculative is not None and self.layout.mamba_groups:
+            raise ValueError("speculative decoding does not serve models with Mamba layers yet (a Mamba state "
+                             "would be needed after every draft position)")
         self.stats = Stats()
         self.runner = ModelRunner(model, self.kv_cache_config, self.layout, buckets=config.buckets, impl=config.impl,
                                   seed=config.seed, vectorised=config.vectorised, decode_steps=config.decode_steps,
                                   max_call_seconds=config.max_call_seconds,
                                   max_top_logprobs=config.max_top_logprobs, max_logit_bias=config.max_logit_bias,
-                                  mesh=mesh, stats=self.stats)
+                                  mesh=mesh, stats=self.stats, speculative=config.speculative)
         # With Mamba layers, prefill chunks end on the Mamba groups' block boundaries (the planner may have
         # raised their block size above config.block_size), where a state is kept.
         mamba = self.layout.mamba_groups
+        spec = config.speculative
         self.scheduler = Scheduler(max_requests=config.max_requests, token_budget=config.token_budget,
                                    block_size=self.layout.block_sizes[mamba[0]] if mamba else config.block_size,
                                    align=bool(mamba), prefix_caching=config.prefix_caching,
-                                   vectorised=config.vectorised)
+                                   vectorised=config.vectorised,
+                                   num_speculative=spec.num_speculative_tokens if spec else 0)
         self.processor = OutputProcessor(self.scheduler, self.stats, detokenize, config.num_blocks)
         self.sampling_defaults = dict(ENGINE_DEFAULTS)
         self._checked_defaults: tuple[tuple, dict] = ((), {})  # the defaults last checked, and as checked

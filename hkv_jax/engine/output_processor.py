@@ -16,6 +16,7 @@ import numpy as np
 from hkv_jax.engine.decode_batch import DecodeBatch, book_logprobs
 from hkv_jax.engine.request import Request, check_stop, may_stop
 from hkv_jax.engine.scheduler import Scheduler, SchedulerOutput
+from hkv_jax.engine.speculative import keeps_drafting
 from hkv_jax.engine.stats import Stats
 from hkv_jax.engine.step import StepReport
 
@@ -31,33 +32,75 @@ class OutputProcessor:
         self.scheduler, self.stats, self.detokenize, self.num_blocks = scheduler, stats, detokenize, num_blocks
 
     def book(self, out: SchedulerOutput, report: StepReport) -> tuple[np.ndarray, np.ndarray]:
-        """Book the reports of consecutive steps of ``out``; returns their sampled request ids ``i64[n]`` and
-        tokens ``i32[n]`` in step order."""
+        """Book the reports of consecutive steps of ``out`` (or of one speculative step's positions); returns
+        their sampled request ids ``i64[n]`` and tokens ``i32[n]`` in step order."""
         clean = 0
         if out.decode_batch is not None:
             ok = report.clean_decodes()
             clean = len(ok) if ok.all() else int(ok.argmin())
+            if report.speculative and clean > 1:  # no request may stop before the last position booked as arrays
+                d = out.decode_batch
+                left = d.tokens_left[None, :] - np.arange(1, clean + 1)[:, None]
+                stops = may_stop(left, report.tokens[:clean], d.stops).any(axis=1)
+                clean = int(stops.argmax()) + 1 if stops.any() else clean
         rids, tokens = self._book_decodes(out.decode_batch, report.steps(slice(clean))) if clean else NO_TOKENS
-        self.stats.steps += len(report)
-        self.stats.array_steps += clean
-        for i in range(clean, len(report)):  # at most one: a call stops at the first step the host must see
-            events = self._book(out, report.steps(slice(i, i + 1)))
+        self.stats.steps += 1 if report.speculative else len(report)
+        self.stats.array_steps += min(clean, 1) if report.speculative else clean
+        # At most one step here without drafts: a call stops at the first step the host must see.
+        refused = []
+        for i in range(clean, len(report)):
+            events = self._book(out, report.steps(slice(i, i + 1)), refused, first=i == 0)
             if events:
                 rids = np.concatenate([rids, np.array([rid for rid, _ in events], np.int64)])
                 tokens = np.concatenate([tokens, np.array([tok for _, tok in events], np.int32)])
+        # Once every position is booked: a request preempted now has all its tokens.
+        if refused:
+            self.stats.preemptions += self.scheduler.handle_refusals(refused, self.num_blocks)
+        if clean < len(report):
+            self.scheduler.refresh_decode_batch()
+        if report.speculative:
+            self._book_drafts(out, report)
         return rids, tokens
 
-    def _book(self, out: SchedulerOutput, report: StepReport) -> list[tuple[int, int]]:
-        """Apply one step's report to the requests ``out`` planned; returns the sampled (id, token) pairs."""
+    def _book_drafts(self, out: SchedulerOutput, report: StepReport) -> None:
+        """Count a speculative step's drafts and accepted tokens; requests whose drafts are rarely accepted
+        stop drafting (``speculative.keeps_drafting``)."""
+        drafted = report.drafted[0]
+        accepted = np.maximum(report.sampled.sum(axis=0) - 1, 0)
+        lanes = np.flatnonzero(drafted)
+        stats = self.stats
+        stats.spec_drafts += len(lanes)
+        stats.spec_draft_tokens += int(drafted.sum())
+        stats.spec_accepted_tokens += int(accepted[lanes].sum())
+        stop = []
+        for i in lanes.tolist():
+            r = out.requests[i]
+            r.draft_tokens += int(drafted[i])
+            r.accepted_tokens += int(accepted[i])
+            if not r.done and not keeps_drafting(r.draft_tokens, r.accepted_tokens):
+                stop.append(r)
+        if stop:
+            self.scheduler.stop_drafting(stop)
+
+    def _book(self, out: SchedulerOutput, report: StepReport, refused: list[tuple[int, int]],
+              first: bool = True) -> list[tuple[int, int]]:
+        """Apply one step's report to the requests ``out`` planned; returns the sampled (id, token) pairs and
+        adds the refused lanes' (id, tokens wanted) to ``refused``. ``first=False``: a later position of a
+        speculative step (lanes refused, done, or that emitted fewer tokens are left alone)."""
         ok, n, hit, sampled, tokens = (x[0].tolist() for x in (report.ok, report.num_new, report.cache_hit,
                                                                 report.sampled, report.tokens))
         now = time.time()
-        events, refused = [], []
+        events = []
         stats, scheduler = self.stats, self.scheduler
         requests = scheduler.requests
         stats.tokens_computed += sum(n)  # 0 on refused lanes
         for i, rid in enumerate(out.request_ids):
             r = requests[rid]
+            if not first:
+                if ok[i] and sampled[i] and not r.done:
+                    r.computed += n[i]
+                    self._append(r, report, i, tokens[i], events, now)
+                continue
             if not ok[i]:
                 refused.append((rid, int(out.num_tokens[i])))
                 continue
@@ -68,23 +111,23 @@ class OutputProcessor:
                 stats.prompt_tokens += r.total
             r.computed += hit[i] + n[i]
             if sampled[i]:
-                tok = tokens[i]
-                if not r.generated:
-                    r.first_token_time = now
-                r.generated.append(tok)
-                if r.logprobs is not None:
-                    book_logprobs(r, report.logprob[:, i], report.top_ids[..., i], report.top_logprobs[..., i])
-                events.append((rid, tok))
-                found = (self._stop_string(r) if r.stop_strings and len(r.generated) > r.min_tokens else None)
-                reason = check_stop(r.params, len(r.generated), tok, found)
-                if reason is not None:
-                    r.stop_string = found
-                    scheduler.finish(r, reason, now)
+                self._append(r, report, i, tokens[i], events, now)
         stats.generated += len(events)
-        if refused:
-            stats.preemptions += scheduler.handle_refusals(refused, self.num_blocks)
-        scheduler.refresh_decode_batch()
         return events
+
+    def _append(self, r: Request, report: StepReport, i: int, tok: int, events: list, now: float) -> None:
+        """``r`` (lane ``i`` of ``report``) generated ``tok``: book it, and finish ``r`` if it stops there."""
+        if not r.generated:
+            r.first_token_time = now
+        r.generated.append(tok)
+        if r.logprobs is not None:
+            book_logprobs(r, report.logprob[:, i], report.top_ids[..., i], report.top_logprobs[..., i])
+        events.append((r.rid, tok))
+        found = (self._stop_string(r) if r.stop_strings and len(r.generated) > r.min_tokens else None)
+        reason = check_stop(r.params, len(r.generated), tok, found)
+        if reason is not None:
+            r.stop_string = found
+            self.scheduler.finish(r, reason, now)
 
     def _book_decodes(self, d: DecodeBatch, report: StepReport) -> tuple[np.ndarray, np.ndarray]:
         """``_book`` for ``k`` steps that decoded every request of ``d``, each allocated and sampled (only the

@@ -71,12 +71,18 @@ class Request:
     stop_string: str | None = None  # the one of ``params.stop_strings`` that ended it
     logprobs: list[float] | None = None  # each generated token's log-probability (``params.logprobs``)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token: (token, log-probability)
+    # Speculative decoding: whether it still drafts (it stops when its drafts are rarely accepted), and
+    # its draft tokens verified and accepted so far.
+    drafting: bool = True
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     # ``time.time()`` when it was queued, when its first token was booked, when it finished or was aborted.
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
 
     def __post_init__(self):
+        self.drafting &= self.params.speculative
         if self.logprobs is None and self.params.logprobs:
             self.logprobs = []
         if self.top_logprobs is None and self.params.top_logprobs:
@@ -85,6 +91,11 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt)
+
+    @property
+    def token_limit(self) -> int:
+        """The most tokens it can ever hold: prompt + ``max_new_tokens``."""
+        return len(self.prompt) + self.params.max_new_tokens
 
     @property
     def total(self) -> int:

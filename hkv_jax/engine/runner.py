@@ -62,7 +62,7 @@ class ModelRunner:
 
     def __init__(self, model, kv_cache_config, layout: Layout, *, buckets: list[int], impl: str, seed: int,
                  vectorised: bool, decode_steps: int, max_call_seconds: float | None, max_top_logprobs: int,
-                 max_logit_bias: int, mesh: jax.sharding.Mesh | None, stats: Stats):
+                 max_logit_bias: int, mesh: jax.sharding.Mesh | None, stats: Stats, speculative=None):
         if mesh is not None:
             mesh_model_size(mesh)  # checks the axis names
         self.layout, self.mesh, self.stats = layout, mesh, stats
@@ -74,6 +74,9 @@ class ModelRunner:
         self.statics = [StepStatic(graphdef, params_def, layout, b, impl, vectorised, top_logprobs=max_top_logprobs)
                         for b in buckets]
         self._lean = [replace(s, lean=True) for s in self.statics]
+        # Speculative decoding: the step programs that draft and verify (a step where no request drafts
+        # runs the others).
+        self._speculative = [replace(s, speculative=speculative) for s in self.statics] if speculative else None
         self.vectorised = vectorised
         self.max_top_logprobs, self.max_logit_bias = max_top_logprobs, max_logit_bias
         self.decode_steps = decode_steps if vectorised else 1  # the per-request allocator: one step a call
@@ -106,18 +109,21 @@ class ModelRunner:
         d = out.decode_batch
         if d is not None and self._packed is not None and self._packed[0] is d and self._packed[1] == values:
             return self._packed[2]
-        plan = StepPlan.pack(out.slots, out.num_tokens, **self._sampling(out.requests, defaults))
+        plan = StepPlan.pack(out.slots, out.num_tokens, **self._sampling(out.requests, defaults, out.num_drafts))
         if d is not None:
             self._packed = d, values, plan
         return plan
 
-    def _sampling(self, requests: list, defaults: dict) -> dict:
+    def _sampling(self, requests: list, defaults: dict, drafts: np.ndarray | None = None) -> dict:
         """``StepPlan.pack``'s sampling arguments for ``requests``: each value by ``SAMPLING`` name, ``[R]``
-        each: its own, else the engine's default (no seed: none), its prompt's length and ``min_tokens``;
-        neutral past them. With ``max_logit_bias``, also their bias entries (``bias``)."""
+        each: its own, else the engine's default (no seed: none), its prompt's length, ``min_tokens`` and
+        token limit, and ``drafts`` (``i32[R]``, ``None``: none); neutral past them. With ``max_logit_bias``,
+        also their bias entries (``bias``)."""
         R, n = self.layout.max_requests, len(requests)
-        columns = {}
+        columns = {} if drafts is None else {"drafts": drafts}
         for name, dtype, neutral in SAMPLING:
+            if name == "drafts":
+                continue
             default = defaults.get(name, neutral)
             columns[name] = np.full(R, neutral, dtype)
             columns[name][:n] = [default if (v := getattr(r, name)) is None else v for r in requests]
@@ -155,13 +161,16 @@ class ModelRunner:
         its token). The reports come back for ``out``'s lanes only."""
         k = len(out.request_ids)
         steps = self._steps_per_call(k) if out.multi_step and self.decode_steps > 1 else 1
-        if steps > 1:
+        speculative = out.num_drafts is not None
+        if speculative:  # one report per sampled position
+            data = self._run(plan, False, int(out.num_drafts.sum()))[:, :, :k]
+        elif steps > 1:
             data = self._run_decode_steps(plan, out.decode_batch, steps)[:, :, :k]  # no step of them admits
         else:
             lean = (out.num_decoding == k and out.changes is None and self.vectorised
                     and bool(self._idle_next[out.slots[:k]].all()))
             data = self._run(plan, lean)[None, :, :k]
-        report = StepReport(data)
+        report = StepReport(data, speculative)
         self._idle_next[:] = False
         self._idle_next[out.slots[:k][report.idle_next[-1] != 0]] = True
         return report
@@ -191,10 +200,12 @@ class ModelRunner:
         """Index of the smallest token bucket (``self.statics``) that holds ``tokens``."""
         return next(i for i, s in enumerate(self.statics) if s.token_budget >= tokens)
 
-    def _run(self, plan: StepPlan, lean: bool) -> np.ndarray:
-        """The step program(s) for ``plan`` (the lean one first when ``lean``): the report read back."""
-        bucket = self._bucket(int(plan.want.sum()))
-        for static in ([self._lean[bucket]] if lean else []) + [self.statics[bucket]]:
+    def _run(self, plan: StepPlan, lean: bool, drafts: int | None = None) -> np.ndarray:
+        """The step program(s) for ``plan`` (the lean one first when ``lean``; the speculative one for
+        ``drafts`` draft tokens at most): the report read back."""
+        bucket = self._bucket(int(plan.want.sum()) + (drafts or 0))
+        full = self.statics if drafts is None else self._speculative
+        for static in ([self._lean[bucket]] if lean else []) + [full[bucket]]:
             if static.lean:  # it reads and writes neither the block pool nor the prefix cache: not passed
                 kept = self.state.alloc
                 part = replace(self.state, alloc=replace(kept, block_pool=None, step_cached=None))
@@ -210,7 +221,8 @@ class ModelRunner:
             if report[0].any() or not static.lean:  # row "ok": the lean program applied the step
                 break
             self.stats.lean_misses += 1
-        self.stats.count_program(("lean " if static.lean else "") + str(static.token_budget))
+        self.stats.count_program(("lean " if static.lean else "speculative " if static.speculative else "")
+                                 + str(static.token_budget))
         self.last_output = out  # stays on the device; the host reads only its report
         return report
 

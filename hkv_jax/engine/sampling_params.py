@@ -84,6 +84,9 @@ class SamplingParams:
     at most the engine's ``max_top_logprobs``). ``logit_bias`` (token -> value in [-100, 100], OpenAI's
     range) is added to its logits before the penalties and the sampling.
 
+    ``speculative``: on an engine with speculative decoding, whether this request drafts (False: it
+    decodes one token a step; its tokens are the same either way).
+
     Building one checks every value that needs no engine (``ValueError``); ``check`` checks the rest.
     """
 
@@ -102,6 +105,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())  # a dict is accepted and kept as its items
+    speculative: bool = True
 
     def __post_init__(self):
         def put(name, value):
@@ -133,6 +137,9 @@ class SamplingParams:
         elif not isinstance(bias, tuple):
             raise ValueError(f"logit_bias must be a dict of token -> bias, got {type(bias).__name__}")
         put("logit_bias", bias)
+        if not isinstance(self.speculative, (bool, np.bool_)):
+            raise ValueError(f"speculative must be True or False, got {self.speculative!r}")
+        put("speculative", bool(self.speculative))
 
     def check(self, vocab_size: int, max_top_logprobs: int, max_logit_bias: int, can_detokenize: bool) -> None:
         """``ValueError`` unless an engine with these limits can serve it (``bias_entries`` too)."""

@@ -49,7 +49,9 @@ class SchedulerOutput:
     running; ``admitted``: ids of the waiting ones admitted now; ``changes``: the releases and the
     admitted prompts (``None``: nothing to change); ``decode_batch``: the decode-only record this plan
     came from (every running request decodes), or ``None``; ``multi_step``: whether several decode
-    steps may run in one call (a decode-only plan that no waiting request could join)."""
+    steps may run in one call (a decode-only plan that no waiting request could join); ``num_drafts:
+    i32[R]``: speculative decoding, the most draft tokens each decoding request may verify (budget they
+    took besides ``num_tokens``; ``None``: none anywhere)."""
 
     request_ids: list[int]
     requests: list[Request]
@@ -61,6 +63,7 @@ class SchedulerOutput:
     changes: Changes | None
     decode_batch: DecodeBatch | None = None
     multi_step: bool = False
+    num_drafts: np.ndarray | None = None
 
 
 class Scheduler:
@@ -69,12 +72,14 @@ class Scheduler:
     ``max_requests`` slots, ``token_budget`` tokens a step, ``block_size`` tokens a block; ``align``:
     chunks stop at block boundaries (Mamba); ``prefix_caching=False`` gives every admission a cache salt
     of its own, so nothing ever hits; ``vectorised``: keep the decode-only record (the per-request
-    allocator runs the per-request pass every step)."""
+    allocator runs the per-request pass every step); ``num_speculative``: draft tokens a decoding request
+    may verify per step (speculative decoding; they take budget as computed tokens do)."""
 
     def __init__(self, *, max_requests: int, token_budget: int, block_size: int, align: bool = False,
-                 prefix_caching: bool = True, vectorised: bool = True):
+                 prefix_caching: bool = True, vectorised: bool = True, num_speculative: int = 0):
         self.max_requests, self.token_budget, self.block_size = max_requests, token_budget, block_size
         self.align, self.prefix_caching, self.vectorised = align, prefix_caching, vectorised
+        self.num_speculative = num_speculative
         self._requests: dict[int, Request] = {}
         self.waiting: list[int] = []   # request ids, front first
         self.running: list[int] = []   # admission order
@@ -184,6 +189,13 @@ class Scheduler:
         decoding = live and all(r.total - r.computed == 1 and r.generated and not r.stop_strings for r in live)
         self._batch = DecodeBatch.of(self._version, live) if decoding else None
 
+    def stop_drafting(self, requests: list[Request]) -> None:
+        """These running requests draft no more (their drafts were rarely accepted): the plans change."""
+        for r in requests:
+            r.drafting = False
+        self._running_changed()
+        self.refresh_decode_batch()
+
     def shrink_decode_batch(self, finished: list[int]) -> None:
         """The requests at positions ``finished`` of the record ended (their tokens booked): the rest run on."""
         b = self._batch
@@ -205,6 +217,10 @@ class Scheduler:
             n = min(n, bs - r.computed % bs)  # Mamba: stop at the block boundary
         return n
 
+    def _draft(self, r: Request, spare: int) -> int:
+        """Draft tokens decoding request ``r`` may verify with ``spare`` tokens of budget left besides its own."""
+        return min(self.num_speculative, spare) if r.drafting else 0
+
     def schedule(self) -> SchedulerOutput:
         """The next step's plan (it admits the waiting requests it plans: see ``SchedulerOutput``)."""
         R, budget = self.max_requests, self.token_budget
@@ -217,21 +233,34 @@ class Scheduler:
                 slots[:n] = d.slots
                 want = np.zeros(R, np.int32)
                 want[:n] = 1
-                d.step_arrays = slots, want
+                drafts = None
+                if self.num_speculative:
+                    drafts, spare = np.zeros(R, np.int32), budget - n
+                    for i, r in enumerate(d.requests):
+                        drafts[i] = self._draft(r, spare)
+                        spare -= drafts[i]
+                d.step_arrays = slots, want, drafts if drafts is not None and drafts.any() else None
+            slots, want, drafts = d.step_arrays
             multi = not self.waiting or n in (R, budget)
-            return SchedulerOutput(d.rids, d.requests, *d.step_arrays, n, n, [], self._changes([]), d, multi)
+            return SchedulerOutput(d.rids, d.requests, slots, want, n, n, [], self._changes([]), d, multi, drafts)
         decoding: list[tuple[int, int]] = []  # (request id, tokens)
         chunked: list[tuple[int, int]] = []
+        drafts: list[int] = []  # of the decoding ones
         requests = self.requests
         for rid in self.running:
             r = requests[rid]
             if budget > 0 and len(r.prompt) + len(r.generated) - r.computed == 1:  # decoding: the usual case
                 decoding.append((rid, 1))
-                budget -= 1
+                drafts.append(self._draft(r, budget - 1) if self.num_speculative else 0)
+                budget -= 1 + drafts[-1]
                 continue
             n = self._chunk(r, budget)
             if n > 0:
-                (decoding if n == 1 else chunked).append((rid, n))
+                if n == 1:
+                    decoding.append((rid, n))
+                    drafts.append(0)
+                else:
+                    chunked.append((rid, n))
                 budget -= n
         picks = decoding + chunked
         admit: list[int] = []
@@ -253,8 +282,12 @@ class Scheduler:
         want = np.zeros(R, np.int32)
         slots[:len(picks)] = [requests[rid].slot for rid in order]
         want[:len(picks)] = [n for _, n in picks]
+        num_drafts = None
+        if any(drafts):
+            num_drafts = np.zeros(R, np.int32)
+            num_drafts[:len(drafts)] = drafts
         return SchedulerOutput(order, [requests[rid] for rid in order], slots, want, len(decoding),
-                               len(decoding) + len(chunked), admit, self._changes(admit))
+                               len(decoding) + len(chunked), admit, self._changes(admit), num_drafts=num_drafts)
 
     def _changes(self, admit: list[int]) -> Changes | None:
         """The releases of this step and the prompts of the requests it admits (``None``: nothing)."""

@@ -3,10 +3,14 @@
 ``NgramSpec`` is vLLM's ``ngram`` method (prompt lookup): a request's draft is the ``k`` tokens that followed
 the latest earlier occurrence of its last ``n`` tokens, for the largest ``n`` from ``prompt_lookup_max``
 down to ``prompt_lookup_min`` that occurs earlier in its prompt and output. ``ngram_drafts`` computes the
-drafts of a batch on the device, as a pure jnp function (it runs inside a step program);
-``rejection_sample`` verifies them against the target model's distributions: greedy requests accept a
-draft token where it is the argmax, sampled ones with probability ``p(draft)`` (a deterministic draft's
-rejection sampling, which leaves every emitted token distributed as the target says).
+drafts of a batch on the device, as a pure jnp function (it runs inside a step program).
+
+Verification (``accepted_drafts``) samples the target at every draft position exactly as a decode step
+there would (same cuts, penalties, and, for a seeded request, the same key: the seed and the position),
+and accepts drafts while they equal those tokens. For a deterministic draft this is rejection sampling
+itself: a draft token is accepted with probability ``p(draft)``, and on a rejection the emitted token is
+drawn from ``p`` without the draft token, renormalised. It also makes a greedy or seeded request's
+tokens identical with speculation on or off.
 """
 
 from __future__ import annotations
@@ -64,30 +68,24 @@ def ngram_drafts(tokens: jax.Array, lengths: jax.Array, spec: NgramSpec) -> tupl
     return draft.astype(jnp.int32), count.astype(jnp.int32)
 
 
-def rejection_sample(draft: jax.Array, count: jax.Array, probs: jax.Array, greedy: jax.Array,
-                     key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Verify deterministic drafts. ``draft: i32[B, k]`` with ``count: i32[B]`` valid tokens each;
-    ``probs: f32[B, k + 1, V]`` the target's sampling distribution at each position (position ``i``: after
-    the draft's first ``i`` tokens); ``greedy: bool[B]``; ``key``: a PRNG key.
+def accepted_drafts(draft: jax.Array, count: jax.Array, sampled: jax.Array) -> jax.Array:
+    """How many leading draft tokens each entry accepts: ``draft: i32[B, k]`` with ``count: i32[B]`` valid
+    tokens each, ``sampled: i32[B, k + 1]`` the target's token at each position (position ``i``: after the
+    draft's first ``i`` tokens, drawn as a decode step there would draw it). Draft token ``i`` is accepted
+    while every one before it was and it equals the token sampled at its position; the entry then emits
+    ``sampled[:, :accepted + 1]``. Returns ``i32[B]``."""
+    k = draft.shape[1]
+    ok = (sampled[:, :k] == draft) & (jnp.arange(k)[None, :] < count[:, None])
+    return jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
 
-    Returns (``i32[B, k + 1]`` the tokens to emit, ``i32[B]`` how many: the accepted draft prefix, then one
-    token of the target's: at the first rejected position from ``p`` without the rejected token
-    (renormalised), or after a wholly accepted draft from ``p`` itself; 0 past them). Each emitted token
-    is distributed as the target's ``p`` at its position, whatever the draft."""
-    B, k = draft.shape
-    accept_key, sample_key = jax.random.split(key)
-    p_draft = jnp.take_along_axis(probs[:, :k], draft[..., None], axis=-1)[..., 0]               # [B, k]
-    is_argmax = jnp.argmax(probs[:, :k], axis=-1) == draft
-    ok = jnp.where(greedy[:, None], is_argmax, jax.random.uniform(accept_key, (B, k)) < p_draft)
-    ok &= jnp.arange(k)[None, :] < count[:, None]
-    accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)                          # [B]
-    p = jnp.take_along_axis(probs, accepted[:, None, None], axis=1)[:, 0]                          # [B, V]
-    rejected = jnp.take_along_axis(draft, jnp.minimum(accepted, k - 1)[:, None], axis=1)[:, 0]
-    residual = jnp.where((accepted < count)[:, None] & (jnp.arange(p.shape[-1])[None, :] == rejected[:, None]),
-                         0.0, p)
-    sampled = jax.random.categorical(sample_key, jnp.log(residual))
-    last = jnp.where(greedy, jnp.argmax(p, axis=-1), sampled).astype(jnp.int32)
-    pos = jnp.arange(k + 1)[None, :]
-    tokens = jnp.where(pos < accepted[:, None], jnp.pad(draft, ((0, 0), (0, 1))), 0)
-    tokens = jnp.where(pos == accepted[:, None], last[:, None], tokens)
-    return tokens.astype(jnp.int32), accepted + 1
+
+# A request stops drafting once this many of its draft tokens were verified and fewer than this share of
+# them accepted: its drafts then cost more than they give (a request that never drafts steps as without
+# speculation, in the lean program where it can).
+JUDGE_AFTER = 64
+MIN_ACCEPTANCE = 0.1
+
+
+def keeps_drafting(draft_tokens: int, accepted_tokens: int) -> bool:
+    """Whether a request with these draft tokens verified and accepted so far goes on drafting."""
+    return draft_tokens < JUDGE_AFTER or accepted_tokens >= MIN_ACCEPTANCE * draft_tokens

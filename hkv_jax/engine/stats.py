@@ -25,8 +25,16 @@ class Stats:
     lean_misses: int = 0            # lean steps that found a block to move (the full step ran after)
     array_steps: int = 0            # decode-only steps planned and booked with arrays, not per request
     multi_step_calls: int = 0       # programs that ran several decode steps (``decode_steps > 1``)
+    spec_drafts: int = 0            # speculative decoding: drafts verified (one per request and step) ...
+    spec_draft_tokens: int = 0      # ... their tokens ...
+    spec_accepted_tokens: int = 0   # ... and those accepted
     seconds: float = 0.0            # in ``step()``
     device_seconds: float = 0.0     # ... from the first program's dispatch to the report's arrival
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens per draft token verified (0 before any)."""
+        return self.spec_accepted_tokens / max(self.spec_draft_tokens, 1)
 
     def count_program(self, key: str, steps: int = 1) -> None:
         self.bucket_steps[key] = self.bucket_steps.get(key, 0) + steps

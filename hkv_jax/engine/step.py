@@ -45,12 +45,13 @@ from flax import nnx
 
 from hkv_jax.allocator import ops
 from hkv_jax.allocator.decode import DecodePath
-from hkv_jax.allocator.state import WAITING, AllocatorState, Layout, hash_once
+from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout, hash_once
 from hkv_jax.attention import make_metadata
 from hkv_jax.cache import KVCache
 from hkv_jax.engine.request import may_stop
 from hkv_jax.engine.sampler import bias_logits, penalize, sample
 from hkv_jax.engine.sampling_params import KNOBS
+from hkv_jax.engine.speculative import NgramSpec, accepted_drafts, ngram_drafts
 from kernels_pallas.reference import query_positions
 
 
@@ -85,11 +86,17 @@ class Changes:
 # Each entry's sampling in ``StepPlan.data``, after ``slots`` and ``want`` (``R`` int32 words each, float32
 # values as their bits): name, dtype, and the value that leaves it out (greedy, no cut, no seed, no
 # penalty). ``prompt_len`` tells the penalties which of a request's tokens are its prompt, and
-# ``min_tokens`` when the bias entries of value -inf (its stop tokens) stop applying.
+# ``min_tokens`` when the bias entries of value -inf (its stop tokens) stop applying. Speculative
+# decoding: ``drafts``, the most draft tokens the entry may verify (0: it decodes one token), and
+# ``token_limit``, the most tokens it may ever hold (no draft runs past it).
 SAMPLING = tuple((k.name, k.dtype, k.neutral) for k in KNOBS) + (
     ("prompt_len", np.int32, 0),
     ("min_tokens", np.int32, 0),
+    ("drafts", np.int32, 0),
+    ("token_limit", np.int32, 0),
 )
+# The columns that are not sampling values proper (the sampler does not take them).
+_NOT_SAMPLER = ("prompt_len", "min_tokens", "drafts", "token_limit")
 
 
 @jax.tree_util.register_dataclass
@@ -153,18 +160,25 @@ class StepPlan:
 
 # Rows of ``StepOutput.report``; a step with ``StepStatic.top_logprobs = N`` adds ``N`` rows of token ids
 # and ``N`` of their log-probabilities (float32 bits).
-REPORT_ROWS = ("ok", "num_new", "cache_hit", "sampled", "tokens", "idle_next", "logprob")
+REPORT_ROWS = ("ok", "num_new", "cache_hit", "sampled", "tokens", "idle_next", "logprob", "drafted")
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepOutput:
-    """Per entry of ``StepPlan.slots``: ``report: i32[7 + 2N, R]`` (rows ``REPORT_ROWS``: allocated, new
+    """Per entry of ``StepPlan.slots``: ``report: i32[8 + 2N, R]`` (rows ``REPORT_ROWS``: allocated, new
     tokens computed, cache-hit tokens, whether a token was sampled, the token or -1, whether the
-    request's next decode step would only count its token, and the sampled token's log-probability
-    under the model's logits, before temperature and the cuts, as float32 bits; then, for ``N =
-    StepStatic.top_logprobs``, the ``N`` likeliest tokens, likeliest first, and their log-probabilities)
-    and ``logits: f32[R, vocab]`` at each entry's last computed position (left on the device)."""
+    request's next decode step would only count its token, the sampled token's log-probability
+    under the model's logits, before temperature and the cuts, as float32 bits, and the draft tokens it
+    verified; then, for ``N = StepStatic.top_logprobs``, the ``N`` likeliest tokens, likeliest first, and
+    their log-probabilities) and ``logits: f32[R, vocab]`` at each entry's last computed position (left
+    on the device).
+
+    A speculative step (``StepStatic.speculative``, ``k`` draft tokens) reports ``i32[k + 1, 8 + 2N, R]``:
+    one report per emitted position, as if each had been a decode step of its own (position ``j``:
+    ``sampled`` where the entry emitted ``j + 1`` tokens or more, ``num_new`` 1 there but for position 0's
+    own count, ``drafted`` at position 0 only), and ``logits: f32[R, k + 1, vocab]``, those each token
+    was sampled from."""
 
     report: jax.Array
     logits: jax.Array
@@ -182,16 +196,19 @@ assert REPORT_ROWS[:len(_CLEAN_DECODE)] == ("ok", "num_new", "cache_hit", "sampl
 @dataclass(frozen=True)
 class StepReport:
     """The reports of consecutive steps of one plan, read back to the host, by name:
-    ``data: i32[steps, 7 + 2N, n]`` (``StepOutput.report`` of each step, its first ``n`` lanes)."""
+    ``data: i32[steps, 8 + 2N, n]`` (``StepOutput.report`` of each step, its first ``n`` lanes; a
+    speculative step's positions count as steps). ``speculative``: the report of one speculative step,
+    where a lane may emit fewer tokens than there are positions."""
 
     data: np.ndarray
+    speculative: bool = False
 
     def __len__(self) -> int:
         return self.data.shape[0]
 
     def steps(self, part: slice) -> "StepReport":
         """The reports of the steps in ``part``."""
-        return StepReport(self.data[part])
+        return StepReport(self.data[part], self.speculative)
 
     def _row(self, name: str) -> np.ndarray:
         return self.data[:, REPORT_ROWS.index(name)]
@@ -203,6 +220,7 @@ class StepReport:
     tokens = property(lambda self: self._row("tokens"))        # i32[steps, n]: the token, or -1
     idle_next = property(lambda self: self._row("idle_next"))  # i32[steps, n]: its next decode only counts
     logprob = property(lambda self: self._row("logprob").view(np.float32))  # f32[steps, n]
+    drafted = property(lambda self: self._row("drafted"))      # i32[steps, n]: draft tokens verified
 
     @property
     def top_ids(self) -> np.ndarray:
@@ -229,8 +247,9 @@ class StepStatic:
     Python on every call), allocator layout, token budget (the bucket), kernel, whether the allocator
     runs vectorised, ``lean``: the program for decode steps where no block moves (the allocator
     only counts tokens, ``ops.count_if_idle``; if a lane would move a block it applies nothing and
-    reports no lane allocated), and ``top_logprobs``: how many of the likeliest tokens each report
-    lists with their log-probabilities (0: none)."""
+    reports no lane allocated), ``top_logprobs``: how many of the likeliest tokens each report
+    lists with their log-probabilities (0: none), and ``speculative``: the drafting method of a
+    speculative step (``None``: each decoding entry computes one token)."""
 
     __hash__ = hash_once
 
@@ -242,6 +261,7 @@ class StepStatic:
     vectorised: bool = True
     lean: bool = False
     top_logprobs: int = 0
+    speculative: NgramSpec | None = None
 
     @property
     def report_rows(self) -> int:
@@ -277,12 +297,12 @@ def prepare(layout: Layout, alloc: AllocatorState, changes: Changes, vectorised:
 # --- step ------------------------------------------------------------------------------------------
 
 
-def _schedule_sequential(layout: Layout, alloc: AllocatorState, slots, want):
+def _schedule_sequential(layout: Layout, alloc: AllocatorState, slots, want, lookahead):
     """Every planned request in order, one ``schedule`` each: ``(alloc, ok, n, hit)``."""
-    return ops.schedule_batch(layout, alloc, slots, want, want > 0)
+    return ops.schedule_batch(layout, alloc, slots, want, want > 0, lookahead)
 
 
-def _schedule_vectorised(layout: Layout, alloc: AllocatorState, slots, want):
+def _schedule_vectorised(layout: Layout, alloc: AllocatorState, slots, want, lookahead):
     """The plan's three sections (decoding, running with a chunk, waiting), each batched; the same
     results as ``_schedule_sequential``.
 
@@ -290,7 +310,8 @@ def _schedule_vectorised(layout: Layout, alloc: AllocatorState, slots, want):
     program holds one copy of the sequential schedule), phase 0 runs the running lanes with a chunk
     and any decoding lanes ``decode_step`` left (its vectorised conditions failed), phase 1 runs
     ``prefill_batch`` on the waiting lanes and, where its conditions failed, ``schedule_batch`` on
-    them. A plan in another order runs every lane in phase 0, in order.
+    them. A plan in another order runs every lane in phase 0, in order. ``lookahead: i32[R]``: draft
+    slots per lane (decoding lanes only).
     """
     R = want.shape[0]
     active = want > 0
@@ -302,7 +323,7 @@ def _schedule_vectorised(layout: Layout, alloc: AllocatorState, slots, want):
     waiting &= in_order
 
     def decode(a):
-        a, ok, path = ops.decode_step(layout, a, slots, fallback=False, mask=decoding)
+        a, ok, path = ops.decode_step(layout, a, slots, fallback=False, mask=decoding, lookahead=lookahead)
         return a, ok, path == DecodePath.FALLBACK
 
     alloc, ok, redo = jax.lax.cond(jnp.any(decoding), decode, lambda a: (a, jnp.zeros(R, bool), jnp.bool_(False)),
@@ -323,7 +344,7 @@ def _schedule_vectorised(layout: Layout, alloc: AllocatorState, slots, want):
         alloc, ok, n, hit, lanes = carry
 
         def run(a):
-            a, ok_s, n_s, h_s = ops.schedule_batch(layout, a, slots, want, lanes)
+            a, ok_s, n_s, h_s = ops.schedule_batch(layout, a, slots, want, lanes, lookahead)
             return a, jnp.where(lanes, ok_s, ok), jnp.where(lanes, n_s, n), jnp.where(lanes, h_s, hit)
 
         alloc, ok, n, hit = jax.lax.cond(jnp.any(lanes), run, lambda a: (a, ok, n, hit), alloc)
@@ -333,9 +354,9 @@ def _schedule_vectorised(layout: Layout, alloc: AllocatorState, slots, want):
     return alloc, ok, n, hit
 
 
-def _allocate(static: StepStatic, alloc: AllocatorState, slot_of, want):
+def _allocate(static: StepStatic, alloc: AllocatorState, slot_of, want, lookahead=None):
     """The allocator's part of a step: ``(alloc, ok, n, hit)`` per lane (``static.lean``: only count the
-    tokens, applying nothing unless every lane is idle)."""
+    tokens, applying nothing unless every lane is idle); ``lookahead: i32[R]``: draft slots per lane."""
     layout = static.layout
     if static.lean:
         active = want > 0
@@ -344,52 +365,94 @@ def _allocate(static: StepStatic, alloc: AllocatorState, slot_of, want):
         return alloc, ok, ok.astype(jnp.int32), jnp.zeros_like(slot_of)
     alloc = ops.new_step(layout, alloc)
     schedule = _schedule_vectorised if static.vectorised else _schedule_sequential
-    return schedule(layout, alloc, slot_of, want)
+    return schedule(layout, alloc, slot_of, want, jnp.zeros_like(want) if lookahead is None else lookahead)
 
 
-def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, plan: StepPlan, alloc, ok, n, hit):
+def _propose(static: StepStatic, alloc: AllocatorState, plan: StepPlan, slot_of):
+    """Each entry's draft (``static.speculative``): ``(i32[R, k] tokens, i32[R] count)``; the count is 0
+    where the entry does not decode, may not draft (``drafts``), finds no n-gram, or has no room left
+    under its token limit (a draft never takes it, nor ``max_model_len``, past the end)."""
+    layout, cols = static.layout, plan.sampling()
+    T, C = alloc.num_tokens[slot_of], alloc.num_computed[slot_of]
+    decoding = (plan.want == 1) & (alloc.status[slot_of] == RUNNING) & (T - C == 1)
+    draft, count = ngram_drafts(alloc.tokens[slot_of], T, static.speculative)
+    room = jnp.minimum(cols["token_limit"], layout.max_model_len) - T - 1
+    return draft, jnp.where(decoding, jnp.maximum(jnp.minimum(count, jnp.minimum(cols["drafts"], room)), 0), 0)
+
+
+def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, plan: StepPlan, alloc, ok, n, hit,
+             draft=None):
     """The rest of a step once the allocator ran (``alloc`` and its lanes' ``ok, n, hit``): metadata, the
-    model's paged forward, sampling and the token append: ``(state, StepOutput)``."""
+    model's paged forward, sampling and the token append: ``(state, StepOutput)``. ``draft``: a
+    speculative step's drafts (``_propose``), whose slots the allocator held: each entry also computes
+    them, is sampled after its last known token and after each of them, and emits the sampled tokens up
+    to the first that differs from the draft (``accepted_drafts``)."""
     layout, budget = static.layout, static.token_budget
+    R = plan.slots.shape[0]
     slot_of = jnp.maximum(plan.slots, 0)
     n = jnp.where(ok, n, 0)
     start = jnp.where(ok, alloc.num_computed[slot_of] - n, 0)
+    P = 1 if draft is None else static.speculative.num_speculative_tokens + 1  # sampled positions per entry
+    count = jnp.zeros_like(n) if draft is None else jnp.where(ok, draft[1], 0)
+    if draft is not None:  # the drafts go after the known tokens, where the forward and the penalties read them
+        j = jnp.arange(P - 1)[None, :]
+        rows = jnp.where(j < count[:, None], slot_of[:, None], layout.max_requests)
+        cols = alloc.num_tokens[slot_of][:, None] + j
+        alloc = replace(alloc, tokens=alloc.tokens.at[rows, cols].set(draft[0], mode="drop"))
 
-    # The ragged batch: entry s computes positions [start_s, start_s + n_s).
-    qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(n)]).astype(jnp.int32)
-    seq_lens = start + n
+    # The ragged batch: entry s computes positions [start_s, start_s + n_s + count_s).
+    qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(n + count)]).astype(jnp.int32)
+    seq_lens = start + n + count
     seq, pos, valid = query_positions(qsl, seq_lens, budget)
     tokens = jnp.where(valid, alloc.tokens[slot_of[seq], jnp.minimum(pos, layout.max_model_len - 1)], 0)
     tables = alloc.tables[slot_of]                                          # [R, G, M]
     metadata = make_metadata(state.cache, layout.config_tables(tables), qsl, seq_lens, budget)
     model = nnx.merge(static.graphdef, jax.tree.unflatten(static.params_def, params))
+    # Sampled at each entry's last known token and at each draft token after it: [R, P] token indices.
+    last = jnp.maximum(qsl[1:] - 1, 0)
+    at = jnp.minimum(jnp.maximum(last - count, 0)[:, None] + jnp.arange(P)[None, :], last[:, None])
     logits, cache = model.paged(tokens, jnp.where(valid, pos, 0), state.cache, metadata, static.impl,
-                                sample_at=jnp.maximum(qsl[1:] - 1, 0))       # [R, V]
+                                sample_at=at.reshape(-1))                 # [R * P, V]
 
-    do_sample = ok & (seq_lens == alloc.num_tokens[slot_of])
+    known = start + n                                                       # the index of the token sampled first
+    do_sample = ok & (known == alloc.num_tokens[slot_of])
     key, sub = jax.random.split(state.key)
     if static.lean:  # a lean step that applied nothing leaves everything as it was, the key too
         key = jnp.where(jnp.any(ok), key, state.key)
-    sampling = plan.sampling()
+
+    def per_row(x):  # an entry's value for each of its P sampled rows
+        return x if P == 1 else jnp.repeat(x, P, axis=0)
+
+    positions = per_row(known) + (0 if P == 1 else jnp.tile(jnp.arange(P), R))
+    sampling = {name: per_row(v) for name, v in plan.sampling().items()}
     penalties = [sampling.pop(name) for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")]
     prompt_len, min_tokens = sampling.pop("prompt_len"), sampling.pop("min_tokens")
+    for name in _NOT_SAMPLER:
+        sampling.pop(name, None)
+    rows_sample = (do_sample[:, None] & (jnp.arange(P)[None, :] <= count[:, None])).reshape(-1)
 
     def draw(scores):
-        return sample(scores, sub, position=seq_lens, **sampling)
+        return sample(scores, sub, position=positions, **sampling)
 
     bias = plan.logit_bias() if plan.bias_slots else None
+    if bias is not None:
+        bias = tuple(per_row(x) for x in bias)
 
     def adjusted():  # biases, then penalties: vLLM's order
-        scores = logits if bias is None else bias_logits(logits, *bias, seq_lens - prompt_len, min_tokens)
-        return penalize(scores, alloc.tokens[slot_of], seq_lens, prompt_len, *penalties)
+        scores = logits if bias is None else bias_logits(logits, *bias, positions - prompt_len, min_tokens)
+        return penalize(scores, per_row(alloc.tokens[slot_of]), positions, prompt_len, *penalties)
 
     # They change only what the sampler sees (``logits`` and the log-probabilities stay raw); a step where
     # no request has any skips them (a conditional on the tokens, so that no [R, V] copy is made).
-    adjust = do_sample & ((penalties[0] != 1) | (penalties[1] != 0) | (penalties[2] != 0))
+    adjust = rows_sample & ((penalties[0] != 1) | (penalties[1] != 0) | (penalties[2] != 0))
     if bias is not None:
-        adjust |= do_sample & jnp.any(bias[0] >= 0, axis=1)
-    new_tokens = jax.lax.cond(jnp.any(adjust), lambda: draw(adjusted()), lambda: draw(logits))
-    if static.vectorised:
+        adjust |= rows_sample & jnp.any(bias[0] >= 0, axis=1)
+    new_tokens = jax.lax.cond(jnp.any(adjust), lambda: draw(adjusted()), lambda: draw(logits))   # [R * P]
+    if draft is not None:
+        sampled = new_tokens.reshape(R, P)
+        emitted = jnp.where(do_sample, accepted_drafts(draft[0], count, sampled) + 1, 0)
+        alloc = ops.accept_drafts(layout, alloc, slot_of, sampled, emitted, do_sample)
+    elif static.vectorised:
         alloc = ops.append_batch(layout, alloc, slot_of, new_tokens, do_sample)
     else:
         def append(a, x):
@@ -402,20 +465,33 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
     lse = jax.nn.logsumexp(scores, axis=-1)
     logprob = jnp.take_along_axis(scores, new_tokens[:, None], axis=-1)[:, 0] - lse
     bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-    report = jnp.stack([ok.astype(jnp.int32), n, jnp.where(ok, hit, 0), do_sample.astype(jnp.int32),
-                        jnp.where(do_sample, new_tokens, -1), idle_next.astype(jnp.int32),
-                        bits(jnp.where(do_sample, logprob, 0.0))])
+
+    # One report per sampled position ([P, rows, R]); position j > 0 counts one computed draft token.
+    j = jnp.arange(P)[None, :]
+    emits = j < (do_sample.astype(jnp.int32)[:, None] if draft is None else emitted[:, None])   # [R, P]
+    lane = functools.partial(jnp.broadcast_to, shape=(R, P))
+    report = jnp.stack([lane(ok[:, None].astype(jnp.int32)), jnp.where(j == 0, n[:, None], emits),
+                        jnp.where(j == 0, jnp.where(ok, hit, 0)[:, None], 0), emits.astype(jnp.int32),
+                        jnp.where(emits, new_tokens.reshape(R, P), -1), lane(idle_next[:, None].astype(jnp.int32)),
+                        bits(jnp.where(emits, logprob.reshape(R, P), 0.0)),
+                        jnp.where(j == 0, count[:, None], 0)]).transpose(2, 0, 1)
     if static.top_logprobs:
-        top, ids = jax.lax.top_k(scores, static.top_logprobs)                 # [R, N] each
-        report = jnp.concatenate([report, ids.T.astype(jnp.int32), bits((top - lse[:, None]).T)])
-    return EngineState(alloc, cache, key), StepOutput(report=report, logits=logits)
+        top, ids = jax.lax.top_k(scores, static.top_logprobs)                 # [R * P, N] each
+        top_rows = [ids.astype(jnp.int32), bits(top - lse[:, None])]
+        report = jnp.concatenate([report] + [x.reshape(R, P, -1).transpose(1, 2, 0) for x in top_rows], axis=1)
+    if draft is None:
+        return EngineState(alloc, cache, key), StepOutput(report=report[0], logits=logits)
+    return EngineState(alloc, cache, key), StepOutput(report=report, logits=logits.reshape(R, P, -1))
 
 
 def step(static: StepStatic, params: list[jax.Array], state: EngineState, plan: StepPlan):
     """One serving step (jit with ``static`` static and ``state`` donated): ``(state, StepOutput)``.
-    ``params``: the model's parameters as the leaves of ``static.params_def``."""
-    alloc, ok, n, hit = _allocate(static, state.alloc, jnp.maximum(plan.slots, 0), plan.want)
-    return _compute(static, params, state, plan, alloc, ok, n, hit)
+    ``params``: the model's parameters as the leaves of ``static.params_def``. With
+    ``static.speculative``, decoding entries draft and verify their drafts in it too."""
+    slot_of = jnp.maximum(plan.slots, 0)
+    draft = None if static.speculative is None else _propose(static, state.alloc, plan, slot_of)
+    alloc, ok, n, hit = _allocate(static, state.alloc, slot_of, plan.want, None if draft is None else draft[1])
+    return _compute(static, params, state, plan, alloc, ok, n, hit, draft)
 
 
 def decode_steps(static: StepStatic, steps: int, params: list[jax.Array], state: EngineState, plan: StepPlan,
