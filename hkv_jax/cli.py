@@ -100,10 +100,21 @@ _POOL_SIZES = ("num_blocks", "max_model_len", "max_requests", "token_budget", "b
 
 
 def _decode_options(args: argparse.Namespace) -> dict:
-    """``--decode-steps`` and ``--max-call-ms`` as config fields, those given only (the configs hold the
-    defaults), checked."""
+    """``--decode-steps``, ``--max-call-ms`` and the speculative flags as config fields, those given only
+    (the configs hold the defaults), checked. Speculative decoding runs one decode step a program."""
     _positive(args, "decode_steps")
     options = {} if args.decode_steps is None else {"decode_steps": args.decode_steps}
+    if args.speculative == "ngram":
+        from hkv_jax.engine import NgramSpec
+
+        try:
+            options["speculative"] = NgramSpec(args.num_speculative_tokens, args.prompt_lookup_min,
+                                               args.prompt_lookup_max)
+        except ValueError as e:
+            raise CliError(f"--{str(e).split(' ', 1)[0].replace('_', '-')} {str(e).split(' ', 1)[1]}") from None
+        if args.decode_steps is not None and args.decode_steps != 1:
+            raise CliError("--speculative runs one decode step a program: --decode-steps must be 1")
+        options["decode_steps"] = 1
     if args.max_call_ms is not None:
         if not 0 <= args.max_call_ms < float("inf"):
             raise CliError(f"--max-call-ms must be >= 0 (0: no bound), got {args.max_call_ms}")
@@ -213,6 +224,12 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="with --decode-steps > 1: as many decode steps a program as fit this many milliseconds "
                         "at the last measured rate, so new requests and streamed tokens wait at most about that "
                         "long (default 20; 0: no bound)")
+    p.add_argument("--speculative", choices=("ngram",),
+                   help="speculative decoding: ngram drafts each decoding request's next tokens from its own "
+                        "earlier tokens (prompt lookup) and verifies them in the same step (same tokens)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step (default 3)")
+    p.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram matched (default 1)")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (default 4)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from flax import nnx
 
-from hkv_jax.engine import Engine, EngineConfig, SamplingParams
+from hkv_jax.engine import Engine, EngineConfig, NgramSpec, SamplingParams
 from hkv_jax.generate import GenerateConfig, engine_for
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.pretrained import INSTALL_HINT, is_pretrained, load_pretrained
@@ -69,6 +69,7 @@ class DemoConfig:
     quantize: str | None = None        # "int8" (a real model only): int8 weights
     decode_steps: int = GenerateConfig.decode_steps          # as in ``GenerateConfig``
     max_call_seconds: float | None = GenerateConfig.max_call_seconds
+    speculative: NgramSpec | None = None  # speculative decoding (needs decode_steps 1)
 
 
 def default_model() -> str:
@@ -99,6 +100,7 @@ def build_engine(cfg: DemoConfig, **engine_options):
             seed=cfg.seed,
             decode_steps=cfg.decode_steps,
             max_call_seconds=cfg.max_call_seconds,
+            speculative=cfg.speculative,
             window_aware_eviction=cfg.window_aware_eviction,
             detokenize=codec.decode,
             **engine_options,
@@ -124,6 +126,7 @@ def build_engine(cfg: DemoConfig, **engine_options):
         token_buckets=(cfg.token_budget,),
         decode_steps=cfg.decode_steps,
         max_call_seconds=cfg.max_call_seconds,
+        speculative=cfg.speculative,
         window_aware_eviction=cfg.window_aware_eviction,
         **engine_options,
     ), None
@@ -145,33 +148,38 @@ def _all_full_attention(layers):
 
 class _Chat:
     """The workload's prompts: random ids for a tiny model; for a real one, text in Gemma's turn format with
-    the system prompt at the head of the first user turn (the prefix every conversation shares)."""
+    the system prompt at the head of the first user turn (the prefix every conversation shares). Each turn's
+    message comes from its own seed (conversation, turn), so the workload is the same whatever order
+    requests finish in (runs of two engines compare)."""
 
     def __init__(self, cfg: DemoConfig, vocab: int, codec):
         self.cfg, self.vocab, self.codec = cfg, vocab, codec
-        self.rng = np.random.default_rng(cfg.seed)
         self.stop = codec.eos_ids if codec else ()
+        rng = np.random.default_rng(cfg.seed)
         self.system = (codec.encode("<start_of_turn>user\n" + SYSTEM + "\n\n") if codec
-                       else list(self.rng.integers(0, vocab, cfg.system_tokens)))
+                       else list(rng.integers(0, vocab, cfg.system_tokens)))
 
-    def _question(self) -> str:
-        return QUESTIONS[int(self.rng.integers(len(QUESTIONS)))]
+    def _message(self, conversation: int, turn: int) -> list[int] | str:
+        """Turn ``turn``'s user message of ``conversation``: random ids (tiny model) or a question."""
+        rng = np.random.default_rng((self.cfg.seed, conversation, turn))
+        if self.codec is not None:
+            return QUESTIONS[int(rng.integers(len(QUESTIONS)))]
+        return list(rng.integers(0, self.vocab, int(rng.integers(*self.cfg.user_tokens))))
 
-    def _random_ids(self) -> list[int]:
-        return list(self.rng.integers(0, self.vocab, int(self.rng.integers(*self.cfg.user_tokens))))
-
-    def first(self) -> list[int]:
+    def first(self, conversation: int) -> list[int]:
         """A conversation's first prompt."""
+        message = self._message(conversation, 0)
         if self.codec is None:
-            return self.system + self._random_ids()
-        return self.system + self.codec.encode(self._question() + "<end_of_turn>\n<start_of_turn>model\n", bos=False)
+            return self.system + message
+        return self.system + self.codec.encode(message + "<end_of_turn>\n<start_of_turn>model\n", bos=False)
 
-    def follow_up(self, r) -> list[int]:
-        """The next turn after request ``r``: its prompt, its answer, a new user message."""
+    def follow_up(self, r, conversation: int, turn: int) -> list[int]:
+        """Turn ``turn`` of ``conversation`` after request ``r``: its prompt, its answer, a new user message."""
+        message = self._message(conversation, turn)
         if self.codec is None:
-            return r.prompt + r.generated + self._random_ids()
+            return r.prompt + r.generated + message
         close = "\n" if r.generated and r.generated[-1] in self.stop else "<end_of_turn>\n"
-        return r.prompt + r.generated + self.codec.encode(close + _USER_TURN.format(self._question()), bos=False)
+        return r.prompt + r.generated + self.codec.encode(close + _USER_TURN.format(message), bos=False)
 
 
 def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
@@ -187,7 +195,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     turns_left = [min(cfg.turns, cfg.requests - c * cfg.turns) for c in range(conversations)]
     owner: dict[int, int] = {}
     for c in range(conversations):
-        last[c] = engine.add_request(chat.first(), params)
+        last[c] = engine.add_request(chat.first(c), params)
         owner[last[c]] = c
         turns_left[c] -= 1
 
@@ -201,7 +209,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
             r = engine.requests[rid]
             c = owner[rid]
             if r.done and turns_left[c] > 0:  # the follow-up turn
-                nxt = chat.follow_up(r)
+                nxt = chat.follow_up(r, c, min(cfg.turns, cfg.requests - c * cfg.turns) - turns_left[c])
                 if len(nxt) + answer <= engine.layout.max_model_len:
                     last[c] = engine.add_request(nxt, params)
                     owner[last[c]] = c
@@ -232,6 +240,10 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "steps_per_s": round(s.steps / elapsed, 2),
         "prefix_cache_hit_rate": round(s.cache_hit_tokens / max(s.prompt_tokens, 1), 3),
         "preemptions": s.preemptions, "compilations": engine.compilations(),
+        **({"spec_draft_tokens": s.spec_draft_tokens, "spec_accepted_tokens": s.spec_accepted_tokens,
+            "spec_acceptance_rate": round(s.acceptance_rate, 3),
+            "spec_mean_accepted_length": round(s.spec_accepted_tokens / max(s.spec_drafts, 1), 2)}
+           if cfg.speculative else {}),
         # Per request, from its own times (Request.arrival_time ...): the first ones include compiling.
         "ttft_ms_median": round(float(np.median(ttft)), 1), "ttft_ms_p90": round(float(np.percentile(ttft, 90)), 1),
         "tpot_ms_median": round(float(np.median(tpot)), 1) if tpot else None,
@@ -257,6 +269,8 @@ def format_summary(summary: dict) -> str:
         f"{s['steps_per_s']} steps/s",
         f"prefix cache: {100 * s['prefix_cache_hit_rate']:.1f}% of prompt tokens hit; "
         f"{s['preemptions']} preemptions",
+    ] + ([f"speculative decoding: {100 * s['spec_acceptance_rate']:.1f}% of {s['spec_draft_tokens']} draft tokens "
+          f"accepted, {s['spec_mean_accepted_length']} per draft"] if "spec_acceptance_rate" in s else []) + [
         f"latency per request: time to first token {s['ttft_ms_median']} ms median, {s['ttft_ms_p90']} ms p90 "
         f"(the first ones include compiling); time per output token {s['tpot_ms_median']} ms median",
         f"per step: {s['host_to_device_bytes_per_step']} bytes host->device (plan, releases, new prompts), "

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from hkv_jax.engine import Engine, EngineConfig, SamplingParams
+from hkv_jax.engine import Engine, EngineConfig, NgramSpec, SamplingParams
 from hkv_jax.models.pretrained import load_pretrained
 from hkv_jax.models.tokenizer import gemma_chat
 from hkv_jax.planner import plan
@@ -40,6 +40,7 @@ class GenerateConfig:
     quantize: str | None = None   # "int8": int8 weights (hkv_jax.models.quant)
     decode_steps: int = 32        # most decode steps per program (Engine(decode_steps=...)) ...
     max_call_seconds: float | None = 0.02  # ... as many as fit this (Engine(max_call_seconds=...))
+    speculative: NgramSpec | None = None   # speculative decoding (Engine(speculative=...)); decode_steps 1
     seed: int = 0
 
     def sampling(self, eos_ids=()) -> SamplingParams:
@@ -75,7 +76,8 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
     ids = codec.encode(gemma_chat([{"role": "user", "content": prompt}]) if cfg.chat else prompt)
     engine = engine_for(model, len(ids) + cfg.max_new_tokens, block_size=cfg.block_size,
                         token_budget=cfg.token_budget, seed=cfg.seed, decode_steps=cfg.decode_steps,
-                        max_call_seconds=cfg.max_call_seconds, detokenize=codec.decode)
+                        max_call_seconds=cfg.max_call_seconds, speculative=cfg.speculative,
+                        detokenize=codec.decode)
     rid = engine.add_request(ids, cfg.sampling(codec.eos_ids))
     load_s = time.perf_counter() - t0
     bar = None

@@ -67,6 +67,15 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
         (["serve", "--model", "tiny-gemma4", "--impl", "tpu"], "head_size 16 (TPU vectors are 128 lanes)"),
         (["serve", "--max-call-ms", "-5"], "--max-call-ms must be >= 0 (0: no bound), got -5.0"),
         (["generate", "hi", "--max-call-ms", "inf"], "--max-call-ms must be >= 0"),
+        (["demo", "--speculative", "ngram", "--num-speculative-tokens", "0"],
+         "--num-speculative-tokens must be an integer >= 1"),
+        (["generate", "hi", "--speculative", "ngram", "--prompt-lookup-min", "5"],
+         "--prompt-lookup-min (5) must not exceed prompt_lookup_max (4)"),
+        (["serve", "--speculative", "ngram", "--decode-steps", "4"], "--decode-steps must be 1"),
+        (["demo", "--model", "tiny-gemma3", "--speculative", "ngram", "--num-speculative-tokens", "64"],
+         "needs a token budget of at least 65"),
+        (["demo", "--model", "tiny-jamba", "--speculative", "ngram"], "does not serve models with Mamba layers"),
+        (["demo", "--speculative", "eagle"], "invalid choice: 'eagle'"),
         (["generate", "hi", "--quantize", "int4"], "invalid choice: 'int4'"),
         (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
         (["generate", "  "], "the prompt is empty"),
@@ -103,7 +112,9 @@ def test_malformed_json_file(tmp_path, capsys):
 
 
 def test_demo_serves_and_reports(capsys):
-    assert main(["demo", "--model", "tiny-gemma3", "--requests", "5", "--json"]) == 0
+    # A pool where no run preempts (see below).
+    demo = ["demo", "--model", "tiny-gemma3", "--requests", "5", "--json", "--num-blocks", "400"]
+    assert main(demo) == 0
     out = capsys.readouterr()
     summary = json.loads(out.out)
     assert summary["requests"] == 5 and summary["generated_tokens"] == 5 * 16
@@ -114,6 +125,14 @@ def test_demo_serves_and_reports(capsys):
     assert 0 < summary["host_to_device_bytes_per_step"] < 8 * 256 * 4 / 4
     assert 0 < summary["peak_kv_bytes"] < summary["naive_full_attention_kv_bytes"]
     assert "5/5 requests" in out.err  # the progress bar
+    # With speculative decoding: the same tokens (greedy), the acceptance rate reported, and the prefix cache
+    # hits as often (it holds verified tokens only, cached as they are verified) where neither run preempts
+    # (in the default pool the run without drafts preempts more, and then hits less).
+    assert main(demo + ["--speculative", "ngram"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["generated_tokens"] == summary["generated_tokens"] and spec["preemptions"] == summary["preemptions"] == 0
+    assert 0 < spec["spec_acceptance_rate"] <= 1
+    assert abs(spec["prefix_cache_hit_rate"] - summary["prefix_cache_hit_rate"]) <= 0.01
 
 
 def test_without_the_gemma_extra_the_demo_stays_tiny_and_says_how_to_get_the_real_model(monkeypatch, capsys):

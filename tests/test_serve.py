@@ -123,6 +123,8 @@ def test_n_choices_sample_with_consecutive_seeds_and_metrics_count_them(server):
 
     before = metrics()
     assert before["hkv_kv_blocks"] == CFG.num_blocks - 1 and before["hkv_requests_running"] == 0
+    assert before["hkv_spec_decode_num_drafts_total"] == 0  # vLLM's speculative counters, with our prefix
+    assert {"hkv_spec_decode_num_draft_tokens_total", "hkv_spec_decode_num_accepted_tokens_total"} <= set(before)
     body = {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0.9, "seed": 3, "n": 2, "logprobs": 1}
     status, got = request(server, "/v1/completions", body)
     assert status == 200 and [c["index"] for c in got["choices"]] == [0, 1]

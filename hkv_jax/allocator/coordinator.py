@@ -21,6 +21,7 @@ import numpy as np
 
 from hkv_jax.allocator import block_pool, prefix_cache
 from hkv_jax.allocator.managers import allocation, hit_blocks, release_row, skipped_tokens
+from hkv_jax.allocator.requests import append_batch
 from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout
 from hkv_jax.planner import cdiv
 from hkv_jax.spec import FullAttentionSpec
@@ -170,6 +171,51 @@ def _pop(bp: block_pool.BlockPool, count, max_count: int):
                         lambda: (bp, jnp.zeros(max_count, jnp.int32)))
 
 
+def _cache_filled(layout: Layout, st: AllocatorState, slot, cached) -> AllocatorState:
+    """Enter every block of request ``slot`` that its first ``cached`` tokens (``cacheable_tokens``) fill and
+    that is not cached yet in the prefix cache (dense retention)."""
+    M, idx = layout.max_blocks, jnp.arange(layout.max_blocks)
+    for g in range(layout.num_groups):
+        row, before, nfull = st.tables[slot, g], st.num_cached[slot, g], cached // layout.block_sizes[g]
+        row = jnp.where(layout.reachable(g, M), row, 0)
+        new = jnp.where((idx >= before) & (idx < nfull), row, 0)
+        bp = block_pool.cache_blocks(st.block_pool, row, group_hashes(layout, st.hashes[slot], g, M), jnp.int32(g),
+                                     before, jnp.maximum(before, nfull))
+        step_cached = st.step_cached
+        if layout.is_mamba(g):
+            step_cached = step_cached.at[layout.step_cached_index(bp.prefix_cache, new)].set(True, mode="drop")
+        st = replace(st, block_pool=bp, step_cached=step_cached).with_counters(
+            slot, g, num_cached=jnp.maximum(before, nfull))
+    return st
+
+
+def accept_drafts(layout: Layout, state: AllocatorState, slots, tokens, emitted, mask=None) -> AllocatorState:
+    """After a speculative step (each lane scheduled one token with draft lookahead): append the first
+    ``emitted[i]`` of ``tokens: i32[B, K]`` to the request in ``slots[i]`` (the accepted drafts, then the
+    target's own token), count the accepted drafts, whose KV the step computed, as computed
+    (``num_computed += emitted - 1``) and cache the blocks they fill, as a schedule of them would. Rejected
+    drafts leave nothing: their slots stay held for the next step's lookahead, or are freed with the
+    request."""
+    if mask is None:
+        mask = jnp.ones(slots.shape, bool)
+    mask &= emitted > 0
+    for j in range(tokens.shape[1]):
+        state = append_batch(layout, state, slots, tokens[:, j], mask & (j < emitted))
+    at = jnp.where(mask, slots, layout.max_requests)
+    computed = state.num_computed[slots] + emitted - 1
+    state = state.with_counters(at, num_computed=computed)
+    # Blocks to cache only where drafts were accepted: visit those lanes alone.
+    lanes = mask & (emitted > 1)
+    order = jnp.nonzero(lanes, size=slots.shape[0], fill_value=0)[0]
+
+    def cache(i, st):
+        lane = order[i]
+        known = jnp.minimum(computed[lane], st.num_tokens[slots[lane]])
+        return _cache_filled(layout, st, slots[lane], cacheable_tokens(layout, known))
+
+    return jax.lax.fori_loop(0, jnp.sum(lanes, dtype=jnp.int32), cache, state)
+
+
 class ScheduleResult(NamedTuple):
     """What ``schedule`` reports (all arrays)."""
 
@@ -239,18 +285,7 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens,
             row = row.at[jnp.where(idx < cnt, first + idx, M)].set(ids[jnp.minimum(idx, ids.shape[0] - 1)],
                                                                    mode="drop")
             st = _set_row(replace(st, block_pool=bp), slot, g, row, length, last_state=last)
-        # Enter every newly filled block in the prefix cache (dense retention).
-        for g in range(G):
-            row, before, nfull = st.tables[slot, g], st.num_cached[slot, g], cached // layout.block_sizes[g]
-            row = jnp.where(layout.reachable(g, M), row, 0)
-            new = jnp.where((idx >= before) & (idx < nfull), row, 0)
-            bp = block_pool.cache_blocks(st.block_pool, row, group_hashes(layout, st.hashes[slot], g, M), jnp.int32(g),
-                                         before, jnp.maximum(before, nfull))
-            step_cached = st.step_cached
-            if layout.is_mamba(g):
-                step_cached = step_cached.at[layout.step_cached_index(bp.prefix_cache, new)].set(True, mode="drop")
-            st = replace(st, block_pool=bp, step_cached=step_cached).with_counters(
-                slot, g, num_cached=jnp.maximum(before, nfull))
+        st = _cache_filled(layout, st, slot, cached)
         st = st.with_counters(slot, status=RUNNING, num_computed=C + h + n)
         return st, first_new
 

@@ -411,10 +411,13 @@ class PyAllocator:
 
     def accept(self, rid: str, tokens: list[int]) -> None:
         """The verified end of a speculative step: ``tokens`` (accepted drafts, then the target's token) are
-        appended and the drafts among them count as computed (their blocks are cached at the next schedule)."""
+        appended, the drafts among them count as computed, and the blocks they fill are cached."""
         r = self.requests[rid]
         r.tokens += [int(t) for t in tokens]
         r.num_computed += len(tokens) - 1
+        hashes = block_hashes(r.tokens, self.hash_block_size, r.salt)
+        for g in range(len(self.groups)):
+            self._cache(r, g, r.num_computed, hashes)
 
     def free(self, rid: str) -> None:
         """Release every block of a request and forget it."""

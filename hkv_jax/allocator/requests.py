@@ -127,22 +127,6 @@ def append_batch(layout: Layout, state: AllocatorState, slots, tokens, mask=None
     return replace(state, tokens=toks, hashes=hashes).with_counters(at, num_tokens=n1)
 
 
-def accept_drafts(layout: Layout, state: AllocatorState, slots, tokens, emitted, mask=None) -> AllocatorState:
-    """After a speculative step (each lane scheduled one token with draft lookahead): append the first
-    ``emitted[i]`` of ``tokens: i32[B, K]`` to the request in ``slots[i]`` (the accepted drafts, then the
-    target's own token) and count the accepted drafts, whose KV the step computed, as computed
-    (``num_computed += emitted - 1``). Their blocks enter the prefix cache at the request's next schedule,
-    like those of any computed token; rejected drafts leave nothing (their slots stay held for the next
-    step's lookahead, or are freed with the request)."""
-    if mask is None:
-        mask = jnp.ones(slots.shape, bool)
-    mask &= emitted > 0
-    for j in range(tokens.shape[1]):
-        state = append_batch(layout, state, slots, tokens[:, j], mask & (j < emitted))
-    at = jnp.where(mask, slots, layout.max_requests)
-    return state.with_counters(at, num_computed=state.num_computed[slots] + emitted - 1)
-
-
 def _release(layout: Layout, state: AllocatorState, slot, **counters) -> AllocatorState:
     """Free every block of ``slot``: group by group, each table last entry first (leading nulls skipped);
     its tables emptied and its request ``counters`` set."""

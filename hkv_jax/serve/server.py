@@ -283,7 +283,13 @@ class CompletionServer:
                 ("steps_total", "counter", "Engine steps.", stats.steps),
                 ("multi_step_calls_total", "counter", "Calls that ran several decode steps in one program "
                  "(--decode-steps, --max-call-ms).", stats.multi_step_calls),
-                ("step_seconds_total", "counter", "Seconds spent in engine steps.", stats.seconds)]
+                ("step_seconds_total", "counter", "Seconds spent in engine steps.", stats.seconds),
+                ("spec_decode_num_drafts_total", "counter", "Speculative decoding: drafts verified (one per "
+                 "request and step).", stats.spec_drafts),
+                ("spec_decode_num_draft_tokens_total", "counter", "Speculative decoding: draft tokens verified.",
+                 stats.spec_draft_tokens),
+                ("spec_decode_num_accepted_tokens_total", "counter", "Speculative decoding: draft tokens accepted.",
+                 stats.spec_accepted_tokens)]
         lines = []
         for name, kind, text, value in rows:
             lines += [f"# HELP hkv_{name} {text}", f"# TYPE hkv_{name} {kind}", f"hkv_{name} {value}"]
