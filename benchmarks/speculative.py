@@ -2,13 +2,15 @@
 acceptance rate and the mean accepted length, on copy-heavy prompts and on free text, at several
 concurrencies, in one run.
 
-Workload: C requests at once, each a chat prompt, generating ``--new-tokens`` tokens greedily (EOS not
-special, so every request generates them all):
+Workload: C requests at once, each a chat prompt, generating greedily up to ``--new-tokens`` tokens or
+its end-of-turn token (without it the small model's answer soon loops, which drafts predict well):
 
 - copy-heavy: reformat a given table as CSV, list the rows of a given table, rename a variable in given
   code, fix a typo in a given paragraph (the answer repeats much of the prompt: drafts from the prompt
   are often right);
-- free text: open questions (drafts rarely match).
+- free text: open questions, greedy (the small model's greedy answers repeat themselves: drafts often
+  match) and sampled (``free-sampled``: temperature 0.8, top-p 0.95, seeded, so that both runs
+  sample the same tokens; drafts rarely match).
 
 Each configuration is timed from submitting the C requests to the last token, after an untimed run of
 the same shapes (it compiles the programs), ``--repeats`` times; the median is reported. Without
@@ -76,18 +78,19 @@ FREE_PROMPTS = (
 )
 
 
-def run(engine, prompts: list[list[int]], new_tokens: int) -> float:
-    """Seconds to generate ``new_tokens`` for every prompt, all submitted at once."""
+def run(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
+    """Seconds to answer every prompt, all submitted at once, and the tokens generated."""
     t0 = time.perf_counter()
     for p in prompts:
-        engine.add_request(p, SamplingParams(new_tokens))
+        engine.add_request(p, params)
     engine.run()
-    for rid in [rid for rid, r in engine.requests.items() if r.done]:
-        engine.forget(rid)
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    done = [rid for rid, r in engine.requests.items() if r.done]
+    generated = sum(len(engine.forget(rid).generated) for rid in done)
+    return seconds, generated
 
 
-def measure(model, prompts: list[list[int]], args, speculative: bool) -> dict:
+def measure(model, prompts: list[list[int]], params: SamplingParams, args, speculative: bool) -> dict:
     """Median tokens/s of ``args.repeats`` timed runs (after a warm-up run) and the drafts' figures."""
     c = len(prompts)
     longest = max(len(p) for p in prompts) + args.new_tokens
@@ -96,16 +99,15 @@ def measure(model, prompts: list[list[int]], args, speculative: bool) -> dict:
                {"decode_steps": args.decode_steps, "max_call_seconds": args.max_call_ms / 1e3 or None})
     engine = engine_for(model, longest, max_requests=c, token_budget=args.token_budget, block_size=gen.block_size,
                         **options)
-    run(engine, prompts, args.new_tokens)  # compiles
+    run(engine, prompts, params)  # compiles
     engine.reset_stats()
-    seconds = [run(engine, prompts, args.new_tokens) for _ in range(args.repeats)]
+    runs = [run(engine, prompts, params) for _ in range(args.repeats)]
     s = engine.stats
-    out = {"tokens_per_s": round(c * args.new_tokens / statistics.median(seconds), 2),
-           "seconds": [round(x, 3) for x in seconds]}
+    out = {"tokens_per_s": round(statistics.median(n / t for t, n in runs), 2), "generated": runs[0][1]}
     if speculative:
         out.update(acceptance_rate=round(s.acceptance_rate, 3),
                    mean_accepted_length=round(s.spec_accepted_tokens / max(s.spec_drafts, 1), 2),
-                   steps_per_token=round(s.steps / (args.repeats * c * args.new_tokens), 3))
+                   steps_per_token=round(s.steps / sum(n for _, n in runs), 3))
     return out
 
 
@@ -119,32 +121,38 @@ def main() -> int:
                    help="without speculation: decode steps per program (default: hkv generate's)")
     p.add_argument("--max-call-ms", type=float, default=GenerateConfig.max_call_seconds * 1e3)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompts", default="copy,free,free-sampled", help="the workloads (default: all three)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     model, codec = load_pretrained("gemma-3-270m", progress=False)
     print(f"machine: {machine.describe()}", file=sys.stderr)
     rows = []
     for c in [int(x) for x in args.concurrency.split(",")]:
-        for kind, texts in (("copy", COPY_PROMPTS), ("free", FREE_PROMPTS)):
+        for kind in args.prompts.split(","):
+            texts = COPY_PROMPTS if kind == "copy" else FREE_PROMPTS
             prompts = [codec.encode(gemma_chat([{"role": "user", "content": texts[i % len(texts)]}]))
                        for i in range(c)]
-            base = measure(model, prompts, args, speculative=False)
-            spec = measure(model, prompts, args, speculative=True)
-            row = {"concurrency": c, "prompts": kind, "tokens_per_s": base["tokens_per_s"],
-                   "spec_tokens_per_s": spec["tokens_per_s"],
+            sampled = {"temperature": 0.8, "top_p": 0.95, "seed": 0} if kind == "free-sampled" else {}
+            params = SamplingParams(args.new_tokens, stop=codec.eos_ids, **sampled)
+            base = measure(model, prompts, params, args, speculative=False)
+            spec = measure(model, prompts, params, args, speculative=True)
+            assert spec["generated"] == base["generated"]  # greedy or seeded: the same answers
+            row = {"concurrency": c, "prompts": kind, "generated": base["generated"],
+                   "tokens_per_s": base["tokens_per_s"], "spec_tokens_per_s": spec["tokens_per_s"],
                    "speedup": round(spec["tokens_per_s"] / base["tokens_per_s"], 2),
                    **{k: spec[k] for k in ("acceptance_rate", "mean_accepted_length", "steps_per_token")}}
             rows.append(row)
-            print(f"C={c} {kind}: {row['tokens_per_s']} -> {row['spec_tokens_per_s']} tok/s ({row['speedup']}x), "
+            print(f"C={c} {kind} ({row['generated']} tokens): {row['tokens_per_s']} -> {row['spec_tokens_per_s']} "
+                  f"tok/s ({row['speedup']}x), "
                   f"acceptance {row['acceptance_rate']}, {row['mean_accepted_length']} accepted per draft",
                   file=sys.stderr)
     if args.json:
         print(json.dumps({"machine": machine.describe(), "new_tokens": args.new_tokens,
                           "num_speculative_tokens": args.num_speculative_tokens, "rows": rows}, indent=1))
     else:
-        print(f"{'C':>3} {'prompts':8} {'tok/s':>8} {'spec tok/s':>11} {'speedup':>8} {'accept':>7} {'per draft':>10}")
+        print(f"{'C':>3} {'prompts':12} {'tok/s':>8} {'spec tok/s':>11} {'speedup':>8} {'accept':>7} {'per draft':>10}")
         for r in rows:
-            print(f"{r['concurrency']:>3} {r['prompts']:8} {r['tokens_per_s']:>8} {r['spec_tokens_per_s']:>11} "
+            print(f"{r['concurrency']:>3} {r['prompts']:12} {r['tokens_per_s']:>8} {r['spec_tokens_per_s']:>11} "
                   f"{r['speedup']:>8} {r['acceptance_rate']:>7} {r['mean_accepted_length']:>10}")
     return 0
 

@@ -5,11 +5,14 @@ import collections
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hkv_jax.engine import Engine, EngineConfig, SamplingParams
+from hkv_jax.engine import DraftModelSpec, Engine, EngineConfig, SamplingParams
 from hkv_jax.engine.speculative import NgramSpec, accepted_drafts, ngram_drafts
+from hkv_jax.models.presets import resolve_model
+from hkv_jax.models.tiny import TinyConfig, TinyLM
 
 T = 24
 
@@ -166,6 +169,25 @@ def test_snapshots_forks_and_checkpoints_with_speculation(tmp_path):
     assert out[child] == out[parent] == first[parent]  # greedy: the child continues like its parent
 
 
+@ENGINES
+def test_a_draft_model_proposes_and_the_tokens_stay_the_targets():
+    """A tiny model (here the target's own weights, so that its greedy drafts are mostly right) drafts for
+    another: greedy, seeded, penalised and opted-out requests give the tokens they give without drafts."""
+    from test_engine import tiny
+
+    prompts = periodic(4)
+    plain = engine(False)
+    ids = [plain.add_request(p, params) for p, params in zip(prompts, PARAMS)]
+    out = plain.run()
+    eng = Engine(tiny("tiny-gemma3"), speculative=DraftModelSpec(tiny("tiny-gemma3"), 2), **SIZES)
+    spec_ids = [eng.add_request(p, params) for p, params in zip(prompts, PARAMS)]
+    got = eng.run()
+    assert [got[i] for i in spec_ids] == [out[i] for i in ids]
+    greedy = eng.requests[spec_ids[0]]  # the draft decodes as the target does: its drafts are right
+    assert greedy.draft_tokens > 0 and greedy.accepted_tokens >= greedy.draft_tokens - 2
+    assert eng.stats.spec_draft_tokens > eng.stats.spec_accepted_tokens  # the sampled ones' are often not
+
+
 def test_bad_speculative_configs_are_refused_before_anything_compiles():
     from test_engine import tiny
 
@@ -181,3 +203,10 @@ def test_bad_speculative_configs_are_refused_before_anything_compiles():
         Engine(tiny("tiny-jamba"), num_blocks=64, block_size=8, speculative=NgramSpec(2), policy="min-waste")
     with pytest.raises(ValueError, match="speculative must be True or False"):
         SamplingParams(4, speculative="yes")
+    with pytest.raises(ValueError, match="needs cfg, hidden and logits"):
+        DraftModelSpec(object(), 2)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1"):
+        DraftModelSpec(tiny("tiny-gemma3"), 0)
+    other = TinyLM(TinyConfig.from_hf(dict(resolve_model("tiny-gemma3")[1], vocab_size=128)), nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"draft model's vocabulary \(128 tokens\) is not the target's \(256\)"):
+        Engine(tiny("tiny-gemma3"), num_blocks=64, speculative=DraftModelSpec(other, 2))

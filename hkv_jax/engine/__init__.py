@@ -7,10 +7,10 @@ from hkv_jax.engine.request import FinishReason, Request, RequestStatus, check_s
 from hkv_jax.engine.sampler import sample
 from hkv_jax.engine.sampling_params import SamplingParams
 from hkv_jax.engine.scheduler import Scheduler, SchedulerOutput
-from hkv_jax.engine.speculative import NgramSpec
+from hkv_jax.engine.speculative import DraftModelSpec, NgramSpec
 from hkv_jax.engine.stats import KVUsage, Stats
 from hkv_jax.engine.step import EngineState, StepOutput, StepPlan, StepReport, step
 
-__all__ = ["Engine", "EngineConfig", "EngineState", "FinishReason", "KVUsage", "NgramSpec", "Request", "RequestStatus",
-           "SamplingParams", "Scheduler", "SchedulerOutput", "Stats", "StepOutput", "StepPlan", "StepReport",
-           "check_stop", "sample", "step"]
+__all__ = ["DraftModelSpec", "Engine", "EngineConfig", "EngineState", "FinishReason", "KVUsage", "NgramSpec",
+           "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerOutput", "Stats", "StepOutput",
+           "StepPlan", "StepReport", "check_stop", "sample", "step"]

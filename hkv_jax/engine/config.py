@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from hkv_jax.engine.sampling_params import is_integer, is_number
-from hkv_jax.engine.speculative import NgramSpec
+from hkv_jax.engine.speculative import DraftModelSpec, NgramSpec
 
 
 @dataclass(frozen=True)
@@ -18,8 +18,9 @@ class EngineConfig:
     ``max_model_len`` tokens per request at most; ``token_budget`` tokens computed per step at most.
 
     ``token_buckets``: the step is compiled once per size (default: ``min(max_requests, token_budget)``,
-    times ``1 + k`` with ``k`` draft tokens, and ``token_budget``) and each step runs the smallest that holds its tokens, so a decode-only step
-    does not pay for prefill-sized arrays. ``impl``: the attention kernel (``kernels_pallas.choose``).
+    times ``1 + k`` with ``k`` draft tokens, and ``token_budget``) and each step runs the smallest that
+    holds its tokens, so a decode-only step does not pay for prefill-sized arrays. ``impl``: the attention
+    kernel (``kernels_pallas.choose``).
     ``seed``: the sampling key. ``prefix_caching=False``: nothing ever hits. ``window_aware_eviction``:
     blocks leaving a sliding window go to the front of the free queue. ``vectorised=False`` runs the
     allocator request by request (the exact statement, for tests and comparisons).
@@ -36,7 +37,8 @@ class EngineConfig:
     them out of the step). ``max_logit_bias``: the most logit-bias entries a request may carry (its
     ``logit_bias``, plus one per stop token under ``min_tokens``; 0 leaves them out of the plan).
 
-    ``speculative``: speculative decoding (``NgramSpec``): each decoding request drafts up to ``k`` tokens
+    ``speculative``: speculative decoding (``NgramSpec``, or ``DraftModelSpec``: a draft model proposes):
+    each decoding request drafts up to ``k`` tokens
     in the step and verifies them in the same program; its tokens equal those it decodes without (for a
     greedy or seeded request, token for token). Its drafts take token budget (``1 + k`` a request);
     one step a call (``decode_steps`` 1).
@@ -58,7 +60,7 @@ class EngineConfig:
     max_call_seconds: float | None = None
     max_top_logprobs: int = 0
     max_logit_bias: int = 0
-    speculative: NgramSpec | None = None
+    speculative: NgramSpec | DraftModelSpec | None = None
 
     def __post_init__(self):
         for name in ("token_budget", "max_requests", "max_model_len", "block_size", "decode_steps"):
@@ -73,8 +75,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer in [0, vocab_size], got {getattr(self, name)!r}")
         spec = self.speculative
         if spec is not None:
-            if not isinstance(spec, NgramSpec):
-                raise ValueError(f"speculative must be an NgramSpec or None, got {spec!r}")
+            if not isinstance(spec, (NgramSpec, DraftModelSpec)):
+                raise ValueError(f"speculative must be an NgramSpec, a DraftModelSpec or None, got {spec!r}")
             k = spec.num_speculative_tokens
             if k + 1 > self.token_budget:
                 raise ValueError(f"num_speculative_tokens {k} needs a token budget of at least {k + 1} (a request "

@@ -66,6 +66,10 @@ class Engine:
                                          max_requests=config.max_requests,
                                          window_aware_eviction=config.window_aware_eviction)
         check_kernel(self.kv_cache_config, config.impl, self.layout.max_blocks)
+        draft = getattr(config.speculative, "model", None)
+        if draft is not None and draft.cfg.vocab_size != vocab:
+            raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) is not the target's "
+                             f"({vocab})")
         if config.speculative is not None and self.layout.mamba_groups:
             raise ValueError("speculative decoding does not serve models with Mamba layers yet (a Mamba state "
                              "would be needed after every draft position)")

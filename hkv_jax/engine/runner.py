@@ -22,6 +22,7 @@ from hkv_jax.cache import init_cache, mesh_model_size
 from hkv_jax.engine.decode_batch import DecodeBatch
 from hkv_jax.engine.scheduler import SchedulerOutput, prompt_buffer, prompt_buffers
 from hkv_jax.engine.score import prompt_logprobs
+from hkv_jax.engine.speculative import DraftModelSpec, DraftModelStatic
 from hkv_jax.engine.stats import Stats
 from hkv_jax.engine.step import (
     SAMPLING,
@@ -74,9 +75,6 @@ class ModelRunner:
         self.statics = [StepStatic(graphdef, params_def, layout, b, impl, vectorised, top_logprobs=max_top_logprobs)
                         for b in buckets]
         self._lean = [replace(s, lean=True) for s in self.statics]
-        # Speculative decoding: the step programs that draft and verify (a step where no request drafts
-        # runs the others).
-        self._speculative = [replace(s, speculative=speculative) for s in self.statics] if speculative else None
         self.vectorised = vectorised
         self.max_top_logprobs, self.max_logit_bias = max_top_logprobs, max_logit_bias
         self.decode_steps = decode_steps if vectorised else 1  # the per-request allocator: one step a call
@@ -89,6 +87,17 @@ class ModelRunner:
         # runs the programs already compiled.
         self.placement = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
                           else replicated(mesh))
+        # Speculative decoding: the step programs that draft and verify (a step where no request drafts
+        # runs the others).
+        self._speculative = self._spec_params = None
+        if speculative is not None:
+            self._spec_params = self.params  # a draft model's parameters follow the target's
+            if isinstance(speculative, DraftModelSpec):
+                draft_graph, draft_params = nnx.split(speculative.model)
+                draft_leaves, draft_def = jax.tree.flatten(jax.device_put(draft_params, self.placement))
+                self._spec_params = self.params + draft_leaves
+                speculative = DraftModelStatic(draft_graph, draft_def, speculative.num_speculative_tokens)
+            self._speculative = [replace(s, speculative=speculative) for s in self.statics]
         alloc, key = jax.device_put((init_state(layout), jax.random.PRNGKey(seed)), self.placement)
         cache = init_cache(kv_cache_config, mesh)
         self.state = EngineState(alloc, cache if mesh is not None else jax.device_put(cache, self.placement), key)
@@ -214,8 +223,9 @@ class ModelRunner:
                 self.state = replace(part, alloc=replace(part.alloc, block_pool=kept.block_pool,
                                                          step_cached=kept.step_cached))
             else:
+                params = self.params if static.speculative is None else self._spec_params
                 with self.on_mesh():
-                    self.state, out = STEP(static, self.params, self.state, self._send(plan))
+                    self.state, out = STEP(static, params, self.state, self._send(plan))
             self.stats.device_to_host += 1
             report = np.asarray(out.report)
             if report[0].any() or not static.lean:  # row "ok": the lean program applied the step

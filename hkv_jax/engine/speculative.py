@@ -1,5 +1,8 @@
 """Speculative decoding: what proposes draft tokens.
 
+``DraftModelSpec`` drafts with a second model instead: the ``k`` tokens it decodes greedily after the
+request's tokens (``model_drafts``, on the device, in the step program).
+
 ``NgramSpec`` is vLLM's ``ngram`` method (prompt lookup): a request's draft is the ``k`` tokens that followed
 the latest earlier occurrence of its last ``n`` tokens, for the largest ``n`` from ``prompt_lookup_max``
 down to ``prompt_lookup_min`` that occurs earlier in its prompt and output. ``ngram_drafts`` computes the
@@ -15,10 +18,11 @@ tokens identical with speculation on or off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from hkv_jax.engine.sampling_params import is_integer
 
@@ -40,6 +44,55 @@ class NgramSpec:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
+
+
+@dataclass(frozen=True, eq=False)
+class DraftModelSpec:
+    """Draft with ``model``: its ``num_speculative_tokens`` greedy tokens after each decoding request's
+    tokens. ``model`` needs the ``ScoringModel`` methods (``hidden``, ``logits``: any engine model has them)
+    and the target's vocabulary. It runs without a cache of its own (a whole forward over the request's
+    tokens per draft token): meant for a small draft model."""
+
+    model: object = field(repr=False)
+    num_speculative_tokens: int
+
+    def __post_init__(self):
+        k = self.num_speculative_tokens
+        if not is_integer(k) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if not all(callable(getattr(self.model, name, None)) for name in ("hidden", "logits")) or not hasattr(
+                self.model, "cfg"):
+            raise ValueError(f"a draft model needs cfg, hidden and logits (a ScoringModel), got "
+                             f"{type(self.model).__name__}")
+
+
+@dataclass(frozen=True)
+class DraftModelStatic:
+    """A ``DraftModelSpec`` inside a step program's static part: the draft model's graph and the tree
+    structure of its parameters (which the program takes after the target's)."""
+
+    graphdef: nnx.GraphDef
+    params_def: jax.tree_util.PyTreeDef
+    num_speculative_tokens: int
+
+
+def model_drafts(model, tokens: jax.Array, lengths: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The drafts of a batch by a draft model: ``tokens: i32[B, T]``, request ``b``'s first ``lengths[b]``
+    known. Returns (``i32[B, k]`` the ``k`` tokens the model decodes greedily after them, ``i32[B]`` k
+    each, or fewer where the row ends)."""
+    T = tokens.shape[1]
+
+    def one(row, n):
+        def next_token(j, row):
+            at = jnp.clip(n + j - 1, 0, T - 1)
+            token = jnp.argmax(model.logits(model.hidden(row)[at][None])[0]).astype(row.dtype)
+            return row.at[n + j].set(token, mode="drop")
+
+        row = jax.lax.fori_loop(0, k, next_token, row)
+        return jnp.take(row, jnp.clip(n + jnp.arange(k), 0, T - 1))
+
+    draft = jax.vmap(one)(tokens, lengths)
+    return draft.astype(jnp.int32), jnp.clip(T - lengths, 0, k).astype(jnp.int32)
 
 
 def ngram_drafts(tokens: jax.Array, lengths: jax.Array, spec: NgramSpec) -> tuple[jax.Array, jax.Array]:

@@ -51,7 +51,7 @@ from hkv_jax.cache import KVCache
 from hkv_jax.engine.request import may_stop
 from hkv_jax.engine.sampler import bias_logits, penalize, sample
 from hkv_jax.engine.sampling_params import KNOBS
-from hkv_jax.engine.speculative import NgramSpec, accepted_drafts, ngram_drafts
+from hkv_jax.engine.speculative import DraftModelStatic, NgramSpec, accepted_drafts, model_drafts, ngram_drafts
 from kernels_pallas.reference import query_positions
 
 
@@ -261,7 +261,7 @@ class StepStatic:
     vectorised: bool = True
     lean: bool = False
     top_logprobs: int = 0
-    speculative: NgramSpec | None = None
+    speculative: NgramSpec | DraftModelStatic | None = None
 
     @property
     def report_rows(self) -> int:
@@ -368,14 +368,21 @@ def _allocate(static: StepStatic, alloc: AllocatorState, slot_of, want, lookahea
     return schedule(layout, alloc, slot_of, want, jnp.zeros_like(want) if lookahead is None else lookahead)
 
 
-def _propose(static: StepStatic, alloc: AllocatorState, plan: StepPlan, slot_of):
-    """Each entry's draft (``static.speculative``): ``(i32[R, k] tokens, i32[R] count)``; the count is 0
-    where the entry does not decode, may not draft (``drafts``), finds no n-gram, or has no room left
-    under its token limit (a draft never takes it, nor ``max_model_len``, past the end)."""
-    layout, cols = static.layout, plan.sampling()
+def _propose(static: StepStatic, draft_params: list[jax.Array], alloc: AllocatorState, plan: StepPlan, slot_of):
+    """Each entry's draft (``static.speculative``; ``draft_params``: a draft model's parameters):
+    ``(i32[R, k] tokens, i32[R] count)``; the count is 0 where the entry does not decode, may not draft
+    (``drafts``), finds no n-gram, or has no room left under its token limit (a draft never takes it, nor
+    ``max_model_len``, past the end)."""
+    layout, cols, spec = static.layout, plan.sampling(), static.speculative
     T, C = alloc.num_tokens[slot_of], alloc.num_computed[slot_of]
     decoding = (plan.want == 1) & (alloc.status[slot_of] == RUNNING) & (T - C == 1)
-    draft, count = ngram_drafts(alloc.tokens[slot_of], T, static.speculative)
+    if isinstance(spec, NgramSpec):
+        draft, count = ngram_drafts(alloc.tokens[slot_of], T, spec)
+    else:
+        model = nnx.merge(spec.graphdef, jax.tree.unflatten(spec.params_def, draft_params))
+        # Only rows that may draft: the others' forwards would be thrown away.
+        tokens = jnp.where((decoding & (cols["drafts"] > 0))[:, None], alloc.tokens[slot_of], 0)
+        draft, count = model_drafts(model, tokens, T, spec.num_speculative_tokens)
     room = jnp.minimum(cols["token_limit"], layout.max_model_len) - T - 1
     return draft, jnp.where(decoding, jnp.maximum(jnp.minimum(count, jnp.minimum(cols["drafts"], room)), 0), 0)
 
@@ -486,10 +493,11 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
 
 def step(static: StepStatic, params: list[jax.Array], state: EngineState, plan: StepPlan):
     """One serving step (jit with ``static`` static and ``state`` donated): ``(state, StepOutput)``.
-    ``params``: the model's parameters as the leaves of ``static.params_def``. With
+    ``params``: the model's parameters as the leaves of ``static.params_def`` (then a draft model's). With
     ``static.speculative``, decoding entries draft and verify their drafts in it too."""
     slot_of = jnp.maximum(plan.slots, 0)
-    draft = None if static.speculative is None else _propose(static, state.alloc, plan, slot_of)
+    params, draft_params = params[:static.params_def.num_leaves], params[static.params_def.num_leaves:]
+    draft = None if static.speculative is None else _propose(static, draft_params, state.alloc, plan, slot_of)
     alloc, ok, n, hit = _allocate(static, state.alloc, slot_of, plan.want, None if draft is None else draft[1])
     return _compute(static, params, state, plan, alloc, ok, n, hit, draft)
 
