@@ -401,6 +401,24 @@ def test_sample_cuts_min_p_and_top_k_then_top_p_of_what_is_left():
     assert set(np.asarray(sample(logits, key, 0.0, top_k=3)).tolist()) == {0}  # greedy ignores the cuts
 
 
+def test_ranking_only_the_likeliest_candidates_draws_what_sorting_all_draws():
+    """Rows with random temperatures, cuts and seeds: the sampler ranking 8 candidates (a row keeping more
+    sorts its whole vocabulary) draws exactly the tokens it draws sorting all 300, each token's noise
+    coming from its id; both branches are taken."""
+    rng = np.random.default_rng(0)
+    B, V = 256, 300
+    logits = jnp.asarray(rng.normal(0, 3, (B, V)), jnp.float32)
+    cuts = {"temperature": rng.choice([0.0, 0.5, 1.0, 2.0], B), "top_p": rng.choice([0.3, 0.9, 1.0], B),
+            "top_k": rng.choice([0, 2, 5, 20], B), "min_p": rng.choice([0.0, 0.05, 0.5], B),
+            "seed": rng.integers(-1, 5, B)}
+    cuts = {name: jnp.asarray(v, jnp.int32 if name in ("top_k", "seed") else jnp.float32) for name, v in cuts.items()}
+    key = jax.random.PRNGKey(3)
+    few, every = (np.asarray(sample(logits, key, **cuts, candidates=n)) for n in (8, V))
+    assert (few == every).all()
+    fit = np.asarray(sample(logits, key, **{**cuts, "top_k": jnp.full(B, 2)}, candidates=8))
+    assert (fit == np.asarray(sample(logits, key, **{**cuts, "top_k": jnp.full(B, 2)}, candidates=V))).all()
+
+
 @SAME_SIZES["tiny-llama4"]
 def test_a_seeded_request_samples_the_same_tokens_in_any_batch():
     """Sampling at temperature 1: a request with a seed draws the same tokens served alone and served

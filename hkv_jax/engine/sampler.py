@@ -15,15 +15,29 @@ def _per_row(x, dtype, rows: int) -> jax.Array:
     return jnp.broadcast_to(jnp.asarray(x, dtype), (rows,))[:, None]
 
 
+# The likeliest tokens the sampler ranks with ``lax.top_k``; a row whose cuts keep more of its vocabulary
+# sorts the whole row (on a CPU, top-k of 1,024 out of 262,144 costs about a 25th of the sort).
+CANDIDATES = 1024
+
+
+def _gumbel(keys: jax.Array, ids: jax.Array) -> jax.Array:
+    """Gumbel noise ``f32[B, N]`` for token ids ``ids: i32[B, N]`` under row keys ``keys``: a token's noise
+    depends on its row's key and its id only, so a draw does not depend on how many candidates it ranks."""
+    return jax.vmap(lambda k, row: jax.vmap(lambda t: jax.random.gumbel(jax.random.fold_in(k, t)))(row))(keys, ids)
+
+
 def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=-1,
-           position=0) -> jax.Array:
+           position=0, candidates: int = CANDIDATES) -> jax.Array:
     """One token per row of ``logits: [B, V]``, each row with its own sampling (``[B]`` or one value for
     all). Greedy where ``temperature`` is 0 (an argmax; no sort when every row is greedy). Else, as vLLM
     does: the logits divided by the temperature; tokens below ``min_p`` times the likeliest token's
     probability and past the ``top_k`` likeliest (0: no limit) cut; then the smallest prefix of the rest
-    whose renormalised probability reaches ``top_p`` kept. A row with ``seed >= 0`` draws with the key
-    of its seed and ``position`` (the index of the token it samples), so its draw does not depend on
-    the other rows or on ``key`` (a ``jax.random.PRNGKey``), whose draws differ per row."""
+    whose renormalised probability reaches ``top_p`` kept; one kept token drawn (Gumbel-max, each token's
+    noise from the row's key and the token's id). A row with ``seed >= 0`` draws with the key of its seed
+    and ``position`` (the index of the token it samples), so its draw does not depend on the other rows or
+    on ``key`` (a ``jax.random.PRNGKey``), whose draws differ per row. Only the ``candidates`` likeliest
+    tokens are ranked when every hot row keeps no more; otherwise the whole vocabulary is sorted (the
+    same draw either way)."""
     B, V = logits.shape
     column = functools.partial(_per_row, rows=B)
     temperature = column(temperature, jnp.float32)
@@ -32,20 +46,37 @@ def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_p=1.0, top_k=
 
     def draw():
         scaled = logits / jnp.maximum(temperature, 1e-6)
-        order = jnp.argsort(-scaled, axis=-1)
-        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
         k = column(top_k, jnp.int32)
-        # min-p and top-k each keep a prefix of the sorted tokens; the first always stays.
-        rank = jnp.arange(V)
-        keep = ((probs >= column(min_p, jnp.float32) * probs[:, :1]) & ((rank < k) | (k <= 0))) | (rank == 0)
-        probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-        keep &= jnp.cumsum(probs, axis=-1) - probs <= column(top_p, jnp.float32)
         seeds, positions = column(seed, jnp.int32)[:, 0], column(position, jnp.int32)[:, 0]
         own = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds, positions)
         keys = jnp.where((seeds >= 0)[:, None], own, jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(B)))
-        choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_logits, -jnp.inf))
-        drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        probs = jax.nn.softmax(scaled, axis=-1)
+        # min-p and top-k keep a prefix of the tokens by likelihood (the first always): its length and mass.
+        floor = column(min_p, jnp.float32) * jnp.max(probs, axis=-1, keepdims=True)
+        above = probs >= floor
+        n_above = jnp.sum(above, axis=-1, keepdims=True)
+        n_keep = jnp.maximum(jnp.where(k > 0, jnp.minimum(k, n_above), n_above), 1)
+
+        def ranked(n: int):
+            """The draw from the ``n`` likeliest tokens, and whether every hot row's kept tokens lie among them."""
+            top, order = jax.lax.top_k(scaled, n)  # likeliest first; equal ones by id
+            p = jnp.exp(top - jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
+            rank = jnp.arange(n)
+            kept = rank < n_keep
+            # The prefix's mass: within the n ranked, or (min-p alone cuts it) every token above the floor.
+            mass = jnp.where(n_keep <= n, jnp.sum(jnp.where(kept, p, 0.0), axis=-1, keepdims=True),
+                             jnp.sum(jnp.where(above, probs, 0.0), axis=-1, keepdims=True))
+            known = (n_keep <= n) | (n_keep == n_above)
+            renorm = p / mass
+            kept &= jnp.cumsum(renorm, axis=-1) - renorm <= column(top_p, jnp.float32)
+            fits = known[:, 0] & ((n_keep[:, 0] <= n) | ~kept[:, -1])
+            choice = jnp.argmax(jnp.where(kept, top + _gumbel(keys, order), -jnp.inf), axis=-1)
+            return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32), fits
+
+        n = min(candidates, V)
+        drawn, fits = ranked(n)
+        if n < V:  # some hot row keeps more than the candidates: sort them all
+            drawn = jax.lax.cond(jnp.all(fits | ~hot), lambda: drawn, lambda: ranked(V)[0])
         return jnp.where(hot, drawn, greedy)
 
     return jax.lax.cond(jnp.any(hot), draw, lambda: greedy)
