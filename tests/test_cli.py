@@ -71,7 +71,6 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
          "--num-speculative-tokens must be an integer >= 1"),
         (["generate", "hi", "--speculative", "ngram", "--prompt-lookup-min", "5"],
          "--prompt-lookup-min (5) must not exceed prompt_lookup_max (4)"),
-        (["serve", "--speculative", "ngram", "--decode-steps", "4"], "--decode-steps must be 1"),
         (["demo", "--model", "tiny-gemma3", "--speculative", "ngram", "--num-speculative-tokens", "64"],
          "needs a token budget of at least 65"),
         (["demo", "--model", "tiny-jamba", "--speculative", "ngram"], "does not serve models with Mamba layers"),

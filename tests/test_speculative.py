@@ -193,8 +193,6 @@ def test_bad_speculative_configs_are_refused_before_anything_compiles():
 
     with pytest.raises(ValueError, match="token budget of at least 5"):
         EngineConfig(num_blocks=64, token_budget=4, speculative=NgramSpec(4))
-    with pytest.raises(ValueError, match="decode_steps must be 1"):
-        EngineConfig(num_blocks=64, decode_steps=4, speculative=NgramSpec(2))
     with pytest.raises(ValueError, match="no room for a draft"):
         EngineConfig(num_blocks=64, max_model_len=4, token_budget=8, speculative=NgramSpec(3))
     with pytest.raises(ValueError, match="NgramSpec"):

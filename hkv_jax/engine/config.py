@@ -41,7 +41,7 @@ class EngineConfig:
     each decoding request drafts up to ``k`` tokens
     in the step and verifies them in the same program; its tokens equal those it decodes without (for a
     greedy or seeded request, token for token). Its drafts take token budget (``1 + k`` a request);
-    one step a call (``decode_steps`` 1).
+    a step where some request drafts runs alone in its call (``decode_steps`` applies to the others).
     """
 
     num_blocks: int
@@ -84,8 +84,6 @@ class EngineConfig:
             if k + 2 > self.max_model_len:
                 raise ValueError(f"num_speculative_tokens {k} leaves no room for a draft in max_model_len "
                                  f"{self.max_model_len} (a prompt token, k drafts and the target's token)")
-            if self.decode_steps != 1:
-                raise ValueError("speculative decoding runs one step a call: decode_steps must be 1")
         buckets = self.buckets
         if buckets[0] < 1 or buckets[-1] != self.token_budget:
             raise ValueError(f"token_buckets must be positive and end at token_budget {self.token_budget}, "

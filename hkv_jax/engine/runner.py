@@ -186,7 +186,8 @@ class ModelRunner:
 
     def timed(self, out: SchedulerOutput) -> bool:
         """Whether a call running ``out`` sets the pace of later multi-step calls (``time_call``)."""
-        return out.decode_batch is not None and self.decode_steps > 1 and self.max_call_seconds is not None
+        return (out.decode_batch is not None and out.num_drafts is None and self.decode_steps > 1
+                and self.max_call_seconds is not None)
 
     def time_call(self, out: SchedulerOutput, seconds: float, steps: int) -> None:
         """A timed call (``timed``) that compiled nothing took ``seconds`` for ``steps`` steps of ``out``."""
