@@ -95,8 +95,8 @@ SAMPLING = tuple((k.name, k.dtype, k.neutral) for k in KNOBS) + (
     ("drafts", np.int32, 0),
     ("token_limit", np.int32, 0),
 )
-# The columns that are not sampling values proper (the sampler does not take them).
-_NOT_SAMPLER = ("prompt_len", "min_tokens", "drafts", "token_limit")
+# The speculative columns (the sampler does not take them; ``_propose`` reads them).
+_DRAFT_COLUMNS = ("drafts", "token_limit")
 
 
 @jax.tree_util.register_dataclass
@@ -434,8 +434,8 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
     sampling = {name: per_row(v) for name, v in plan.sampling().items()}
     penalties = [sampling.pop(name) for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")]
     prompt_len, min_tokens = sampling.pop("prompt_len"), sampling.pop("min_tokens")
-    for name in _NOT_SAMPLER:
-        sampling.pop(name, None)
+    for name in _DRAFT_COLUMNS:
+        sampling.pop(name)
     rows_sample = (do_sample[:, None] & (jnp.arange(P)[None, :] <= count[:, None])).reshape(-1)
 
     def draw(scores):
