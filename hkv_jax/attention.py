@@ -15,7 +15,7 @@ layers run replicated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import jax
@@ -47,20 +47,25 @@ class AttentionMetadata:
     ``query_start_loc: i32[S + 1]``, ``seq_lens: i32[S]`` (ragged batch, see
     ``kernels_pallas.reference``); per KV cache group ``g``:
     ``block_tables[g]: i32[S, max_blocks_g]`` and ``slot_mappings[g]: i32[T]``
-    (-1: not written).
+    (-1: not written). ``record_positions`` (static): in a speculative step, the
+    recurrent layers also record each sequence's state after each of its first
+    ``record_positions`` tokens (``recurrent.commit_accepted`` writes back the one
+    verification accepted); 0 records nothing.
     """
 
     query_start_loc: jax.Array
     seq_lens: jax.Array
     block_tables: tuple[jax.Array, ...]
     slot_mappings: tuple[jax.Array, ...]
+    record_positions: int = field(default=0, metadata=dict(static=True))
 
 
 def make_metadata(cache: KVCache, block_tables: Sequence[jax.Array], query_start_loc: jax.Array,
-                  seq_lens: jax.Array, num_tokens: int) -> AttentionMetadata:
+                  seq_lens: jax.Array, num_tokens: int, record_positions: int = 0) -> AttentionMetadata:
     """Metadata for a ragged batch of ``num_tokens`` query tokens (jittable).
 
-    ``block_tables[g]: i32[S, max_blocks]`` is group ``g``'s table per sequence.
+    ``block_tables[g]: i32[S, max_blocks]`` is group ``g``'s table per sequence;
+    ``record_positions``: ``AttentionMetadata.record_positions``.
     """
     sizes = {s.group_id: s.block_size for _, s in cache.layout.slots}
     if len(block_tables) != len(sizes):
@@ -70,7 +75,7 @@ def make_metadata(cache: KVCache, block_tables: Sequence[jax.Array], query_start
         slot_mapping(jnp.asarray(bt)[seq], pos, sizes[g], valid) for g, bt in enumerate(block_tables)
     )
     return AttentionMetadata(query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
-                             tuple(jnp.asarray(bt, jnp.int32) for bt in block_tables), slots)
+                             tuple(jnp.asarray(bt, jnp.int32) for bt in block_tables), slots, record_positions)
 
 
 def check_kernel(config: KVCacheConfig, impl: str, max_blocks: int) -> None:

@@ -70,9 +70,6 @@ class Engine:
         if draft is not None and draft.cfg.vocab_size != vocab:
             raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) is not the target's "
                              f"({vocab})")
-        if config.speculative is not None and self.layout.mamba_groups:
-            raise ValueError("speculative decoding does not serve models with Mamba layers yet (a Mamba state "
-                             "would be needed after every draft position)")
         self.stats = Stats()
         self.runner = ModelRunner(model, self.kv_cache_config, self.layout, buckets=config.buckets, impl=config.impl,
                                   seed=config.seed, vectorised=config.vectorised, decode_steps=config.decode_steps,

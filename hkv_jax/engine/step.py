@@ -52,6 +52,7 @@ from hkv_jax.engine.request import may_stop
 from hkv_jax.engine.sampler import bias_logits, penalize, sample
 from hkv_jax.engine.sampling_params import KNOBS
 from hkv_jax.engine.speculative import DraftModelStatic, NgramSpec, accepted_drafts, model_drafts, ngram_drafts
+from hkv_jax.recurrent import commit_accepted
 from kernels_pallas.reference import query_positions
 
 
@@ -372,7 +373,8 @@ def _propose(static: StepStatic, draft_params: list[jax.Array], alloc: Allocator
     """Each entry's draft (``static.speculative``; ``draft_params``: a draft model's parameters):
     ``(i32[R, k] tokens, i32[R] count)``; the count is 0 where the entry does not decode, may not draft
     (``drafts``), finds no n-gram, or has no room left under its token limit (a draft never takes it, nor
-    ``max_model_len``, past the end)."""
+    ``max_model_len``, past the end). With Mamba layers a draft also ends where the entry's current Mamba
+    block does, so the state verification keeps is rewritten in place (``recurrent.commit_accepted``)."""
     layout, cols, spec = static.layout, plan.sampling(), static.speculative
     T, C = alloc.num_tokens[slot_of], alloc.num_computed[slot_of]
     decoding = (plan.want == 1) & (alloc.status[slot_of] == RUNNING) & (T - C == 1)
@@ -384,6 +386,8 @@ def _propose(static: StepStatic, draft_params: list[jax.Array], alloc: Allocator
         tokens = jnp.where((decoding & (cols["drafts"] > 0))[:, None], alloc.tokens[slot_of], 0)
         draft, count = model_drafts(model, tokens, T, spec.num_speculative_tokens)
     room = jnp.minimum(cols["token_limit"], layout.max_model_len) - T - 1
+    for g in layout.mamba_groups:  # the step's tokens stay in the block of the Mamba state it rewrites
+        room = jnp.minimum(room, layout.block_sizes[g] - 1 - C % layout.block_sizes[g])
     return draft, jnp.where(decoding, jnp.maximum(jnp.minimum(count, jnp.minimum(cols["drafts"], room)), 0), 0)
 
 
@@ -413,7 +417,8 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
     seq, pos, valid = query_positions(qsl, seq_lens, budget)
     tokens = jnp.where(valid, alloc.tokens[slot_of[seq], jnp.minimum(pos, layout.max_model_len - 1)], 0)
     tables = alloc.tables[slot_of]                                          # [R, G, M]
-    metadata = make_metadata(state.cache, layout.config_tables(tables), qsl, seq_lens, budget)
+    metadata = make_metadata(state.cache, layout.config_tables(tables), qsl, seq_lens, budget,
+                             record_positions=P if draft is not None and layout.mamba_groups else 0)
     model = nnx.merge(static.graphdef, jax.tree.unflatten(static.params_def, params))
     # Sampled at each entry's last known token and at each draft token after it: [R, P] token indices.
     last = jnp.maximum(qsl[1:] - 1, 0)
@@ -459,6 +464,8 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
         sampled = new_tokens.reshape(R, P)
         emitted = jnp.where(do_sample, accepted_drafts(draft[0], count, sampled) + 1, 0)
         alloc = ops.accept_drafts(layout, alloc, slot_of, sampled, emitted, do_sample)
+        if metadata.record_positions:
+            cache = commit_accepted(model, cache, metadata, emitted)
     elif static.vectorised:
         alloc = ops.append_batch(layout, alloc, slot_of, new_tokens, do_sample)
     else:

@@ -27,7 +27,7 @@ from flax import nnx
 
 from hkv_jax.attention import AttentionMetadata
 from hkv_jax.cache import KVCache
-from hkv_jax.recurrent import load_states, ragged_scan, store_states
+from hkv_jax.recurrent import load_states, ragged_scan, record, store_states
 
 
 @dataclass(frozen=True)
@@ -145,5 +145,6 @@ class Mamba2(nnx.Module):
         """``x: [T, hidden]`` of a ragged batch -> ``([T, hidden], cache)`` with every state advanced."""
         z, xbc, dt_raw = self._split_in(x)
         states = load_states(self.name, cache, metadata)
-        states, y = ragged_scan(self._cell, states, (xbc, dt_raw), metadata)
+        states, y, recorded = ragged_scan(self._cell, states, (xbc, dt_raw), metadata)
+        record(self, self.name, recorded)
         return self._out(y, z), store_states(self.name, states, cache, metadata)
