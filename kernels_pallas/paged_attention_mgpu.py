@@ -25,7 +25,8 @@ shared memory before ``P V`` (only the first and last tile can hold them).
 
 Limits (``supports``; the dispatcher falls back to the portable kernel): bf16 or
 fp16 KV equal to q's dtype, ``block_size`` a multiple of 16, ``head_size`` a
-multiple of 64, ``G`` dividing 64, shared memory within an H100/H200's 227 KiB.
+multiple of 64, ``G`` dividing 64, a table of at most 16,384 columns, shared memory within an
+H100/H200's 227 KiB.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ from kernels_pallas.support import YES, Support, no
 ROWS = 64  # query rows per warpgroup: the wgmma M dimension
 KEYS = 64  # keys per loop iteration: P's rows are 128 bytes in bf16/fp16
 SMEM_BYTES = 232448  # an H100/H200 block's shared memory (227 KiB)
+# A block-table row sits in shared memory as [rows, TABLE_COLS]: one TMA copy moves at most 256 entries
+# along each dimension, and a long context's row is longer than that.
+TABLE_COLS = 64
+MAX_TABLE_ROWS = 256
 
 # Item metadata columns (i32[I, META]): the sequence, the visible keys [key_lo, key_hi).
 _SEQ, _KEY_LO, _KEY_HI, META = range(4)
@@ -54,7 +59,11 @@ _SEQ, _KEY_LO, _KEY_HI, META = range(4)
 def smem_bytes(head_size: int, max_blocks: int, itemsize: int = 2) -> int:
     """Shared memory the kernel takes: Q, double-buffered K and V tiles, P, the table row, metadata."""
     tiles = (ROWS + 4 * KEYS) * head_size * itemsize + ROWS * KEYS * itemsize
-    return tiles + 4 * (-(-max_blocks // 4) * 4) + 4 * (8 + 2 * ROWS + ROWS) + 64
+    return tiles + 4 * _table_rows(max_blocks) * TABLE_COLS + 4 * (8 + 2 * ROWS + ROWS) + 64
+
+
+def _table_rows(max_blocks: int) -> int:
+    return max(1, -(-max_blocks // TABLE_COLS))
 
 
 def supports(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int,
@@ -72,6 +81,8 @@ def supports(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: in
         return no(f"head_size {d} (a multiple of 64 needed)")
     if num_q_heads % hkv or ROWS % (num_q_heads // hkv):
         return no(f"GQA group {num_q_heads // max(hkv, 1)} does not divide {ROWS}")
+    if _table_rows(max_blocks) > MAX_TABLE_ROWS:
+        return no(f"{max_blocks} table columns (at most {MAX_TABLE_ROWS * TABLE_COLS:,})")
     if smem_bytes(d, max_blocks) > SMEM_BYTES:
         return no(f"head_size {d} with {max_blocks} table columns ({smem_bytes(d, max_blocks)} bytes of shared memory)")
     return YES
@@ -101,7 +112,7 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
     item, h = jax.lax.axis_index("item"), jax.lax.axis_index("head")
     bs, d = kv_ref.shape[3], k_smem.shape[2]
     copies = KEYS // chunk
-    last_col = bt_smem.shape[0] - 1
+    last_col = bt_smem.shape[0] * TABLE_COLS - 1
     plgpu.copy_gmem_to_smem(meta_ref.at[item], meta_smem, bars.at[0])
     plgpu.copy_gmem_to_smem(rows_ref.at[item], rows_smem, bars.at[1])
     plgpu.copy_gmem_to_smem(q_ref.at[item, h], q_smem, bars.at[2])
@@ -128,7 +139,8 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
         # clamped; their rows are masked.
         for c in range(copies):
             key = t * KEYS + c * chunk
-            page = bt_smem[jnp.minimum(key // bs, last_col)]
+            col_ = jnp.minimum(key // bs, last_col)
+            page = bt_smem[col_ // TABLE_COLS, col_ % TABLE_COLS]
             src, dst = pl.ds(key % bs, chunk), pl.ds(c * chunk, chunk)
             plgpu.copy_gmem_to_smem(kv_ref.at[page, 0, h, src], k_smem.at[slot, dst], k_bars.at[slot * copies + c])
             plgpu.copy_gmem_to_smem(kv_ref.at[page, 1, h, src], v_smem.at[slot, dst], v_bars.at[slot * copies + c])
@@ -231,9 +243,11 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     # [I, block_q, Hkv, G, D] -> [I, Hkv, ROWS, D]: one contiguous Q tile per program.
     q_items = ragged.gather_queries(q, items, block_q).reshape(n, block_q, hkv, group, d)
     q_items = q_items.transpose(0, 2, 1, 3, 4).reshape(n, hkv, ROWS, d)
-    # TMA copies move multiples of 16 bytes: pad the table rows to 4 entries.
-    max_blocks = block_tables.shape[1]
-    bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, -max_blocks % 4)))
+    # Each table row as [rows, TABLE_COLS] (zero padded: the null block), one TMA copy.
+    S, max_blocks = block_tables.shape
+    rows_ = _table_rows(max_blocks)
+    bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, rows_ * TABLE_COLS - max_blocks)))
+    bt = bt.reshape(S, rows_, TABLE_COLS)
     sinks_rows = None
     if sinks is not None:
         sinks_rows = jnp.repeat(sinks.astype(jnp.float32).reshape(hkv, 1, group), block_q, axis=1)
@@ -247,7 +261,7 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
         scratch_types=[
             plgpu.SMEM((8,), jnp.int32),
             plgpu.SMEM((2, ROWS), jnp.int32),
-            plgpu.SMEM((bt.shape[1],), jnp.int32),
+            plgpu.SMEM((rows_, TABLE_COLS), jnp.int32),
             plgpu.SMEM((ROWS, d), q.dtype, transforms=tiled),
             plgpu.SMEM((2, KEYS, d), kv_pages.dtype, transforms=tiled),
             plgpu.SMEM((2, KEYS, d), kv_pages.dtype, transforms=tiled),

@@ -149,6 +149,30 @@ def test_tpu_kernel_equals_dense_attention(case):
     check(run(tpu.paged_attention, case, block_q=4, interpret=True), case)
 
 
+def test_mosaic_gpu_reads_a_table_row_longer_than_one_copy_moves():
+    """A table wider than ``TABLE_COLS`` sits in shared memory as several rows (one TMA copy moves at most 256
+    entries a dimension): a decode at position 1,124 with a 40-token window reads columns 67 to 70, in the
+    second row."""
+    bs, hkv, g, d, length, window = 16, 1, 2, 64, 1125, 40
+    rng = np.random.default_rng(0)
+    kv = rng.normal(size=(2, length, hkv, d)).astype(np.float32)
+    width = -(-length // bs) + 1                                       # 72 columns: two rows of 64
+    pages = np.full((6, 2, hkv, bs, d), np.nan, np.float32)
+    tables = np.zeros((1, width), np.int32)
+    for page, j in enumerate(range((length - window) // bs, -(-length // bs)), start=1):
+        tables[0, j] = page
+        n = min(bs, length - j * bs)
+        pages[page, :, :, :n] = kv[:, j * bs:j * bs + n].transpose(0, 2, 1, 3)
+    params = AttentionParams(sliding_window=window)
+    q = rng.normal(size=(1, g * hkv, d)).astype(np.float32)
+    as_bf16 = [np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (q, kv[0], kv[1])]
+    case = Case(q, pages, tables, np.array([0, 1], np.int32), np.array([length], np.int32), params, None,
+                dense_attention(*as_bf16, params, None), "bfloat16")
+    assert width > mgpu.TABLE_COLS and mgpu.supports(jnp.bfloat16, pages.shape, jnp.bfloat16, g * hkv, width)
+    check(run(mgpu.paged_attention, case, interpret=True), case)
+    assert "16,384" in mgpu.supports(jnp.bfloat16, pages.shape, jnp.bfloat16, g, 16_385).reason
+
+
 def test_mosaic_gpu_refuses_shapes_it_cannot_take():
     q = jnp.zeros((4, 8, 64), jnp.float32)
     pages = jnp.zeros((3, 2, 2, 16, 64), jnp.float32)

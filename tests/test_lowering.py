@@ -35,7 +35,8 @@ H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NV
 TPU = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5p", num_cores=None,
                                                                platform="tpu"))
 sd = jax.ShapeDtypeStruct
-T, S, MAX_BLOCKS, N = 64, 8, 40, 1001  # tokens, sequences, table width, pool (odd: nothing is a power of 2)
+# Tables of 300 columns (4,800 tokens at 16 per block): longer than one TMA copy moves (256 entries).
+T, S, MAX_BLOCKS, N = 64, 8, 300, 1001  # tokens, sequences, table width, pool (odd: nothing is a power of 2)
 
 
 def lower_for(mesh: AbstractMesh, fn, *args) -> str:
