@@ -98,10 +98,11 @@ def ragged_scan(cell: Callable, states, xs, metadata: AttentionMetadata):
         s, o, ok, xt = x
         cur = jax.tree.map(lambda a: a[s], st)
         new, y = cell(cur, xt)
-        st = jax.tree.map(lambda a, n, c: a.at[s].set(jnp.where(ok, n, c)), st, new, cur)
+        # States stored in a narrower dtype than the cell computes in (a bf16 cache) are rounded each token.
+        st = jax.tree.map(lambda a, n, c: a.at[s].set(jnp.where(ok, n, c).astype(a.dtype)), st, new, cur)
         if P:  # an index past P (or a padding token) is dropped
             at = jnp.where(ok & (o < P), o, P)
-            rec = jax.tree.map(lambda r, n: r.at[s, at].set(n, mode="drop"), rec, new)
+            rec = jax.tree.map(lambda r, n: r.at[s, at].set(n.astype(r.dtype), mode="drop"), rec, new)
         return (st, rec), y
 
     (states, recorded), ys = jax.lax.scan(body, (states, recorded), (seq, offset, valid, xs))

@@ -73,7 +73,6 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
          "--prompt-lookup-min (5) must not exceed prompt_lookup_max (4)"),
         (["demo", "--model", "tiny-gemma3", "--speculative", "ngram", "--num-speculative-tokens", "64"],
          "needs a token budget of at least 65"),
-        (["demo", "--model", "tiny-jamba", "--speculative", "ngram"], "does not serve models with Mamba layers"),
         (["demo", "--speculative", "eagle"], "invalid choice: 'eagle'"),
         (["generate", "hi", "--quantize", "int4"], "invalid choice: 'int4'"),
         (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),

@@ -1,6 +1,6 @@
 """The accelerator kernels lower on this CPU-only machine, given an abstract device: for CUDA (Hopper)
 and for TPU, at every shape the planner produces for the presets (both policies), and inside the whole
-engine step.
+engine's decode programs, whose KV pool stays in place (donated, never copied).
 
 Lowering for CUDA runs Pallas' Triton and Mosaic GPU pipelines up to the kernels' MLIR, layout inference
 and shared-memory accounting included (where the Mosaic kernel failed at 16/32-token pages); it does not
@@ -9,8 +9,6 @@ run ptxas. Lowering for TPU emits the Mosaic TPU module; Mosaic's own compile ru
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +19,13 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 import kernels_pallas
 from hkv_jax.engine import Engine
-from hkv_jax.engine.step import StepPlan, step
+from hkv_jax.engine.runner import DECODE_STEPS, STEP
+from hkv_jax.engine.step import StepPlan
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
 from hkv_jax.models.presets import preset_names, resolve_model
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 from hkv_jax.planner import plan
+from hkv_jax.program_audit import PoolAudit, audit_pool
 from hkv_jax.spec import AttentionSpec
 from kernels_pallas import kv_write_portable, paged_attention_mgpu, paged_attention_portable, paged_attention_tpu
 from kernels_pallas.reference import AttentionParams
@@ -150,12 +150,14 @@ def test_auto_picks_the_kernel_for_the_abstract_device():
 
 @pytest.mark.parametrize("mesh,kernels", [(H200, ("mosaic_gpu", "triton")), (TPU, ("tpu_custom_call",))],
                          ids=("cuda", "tpu"))
-def test_the_engine_step_lowers_with_the_accelerator_kernels(mesh, kernels):
+def test_the_engine_programs_lower_with_the_accelerator_kernels_and_keep_the_pool_in_place(mesh, kernels):
     """tiny-gemma3 (sliding window + full) with a bf16 cache and head size 128, so that the Hopper and the
     TPU kernels take it (f32 queries are cast to bf16 for the Hopper kernel), through ``impl="auto"``: on
-    an H200 Mosaic GPU attention and the Triton KV write in one step program, on a TPU the Mosaic TPU
-    attention. (Lowering a step costs half a minute here; the triton-only step differs in the attention
-    call, which the tests above lower at every shape.)"""
+    an H200 Mosaic GPU attention and the Triton KV write in the step program, on a TPU the Mosaic TPU
+    attention. Both decode programs the runner jits (one step, several steps in a ``while_loop``) donate
+    the KV pool and alias it to an output, and no op outside the kernels and the in-place writes copies,
+    converts or re-lays-out a pool-sized tensor (``audit_pool``; ``benchmarks/gpu_projection.py`` runs the
+    same audit at real sizes). Lowering a program costs about ten seconds here."""
     cfg = dict(resolve_model("tiny-gemma3")[1], head_dim=128)
     model = TinyLM(TinyConfig.from_hf(cfg, kv_dtype="bfloat16"), nnx.Rngs(0))
     eng = Engine(model, num_blocks=37, block_size=16, max_requests=4, max_model_len=64, token_budget=16,
@@ -163,6 +165,36 @@ def test_the_engine_step_lowers_with_the_accelerator_kernels(mesh, kernels):
     plan_ = StepPlan.pack(np.full(4, -1), np.zeros(4))
     def abstract(tree):
         return jax.tree.map(lambda x: sd(jnp.shape(x), jnp.result_type(x)), tree)
-    text = lower_for(mesh, functools.partial(step, eng.statics[0]), abstract(eng.params), abstract(eng.state),
-                     abstract(plan_))
-    assert all(k in text for k in kernels), kernels
+    args = abstract(eng.params), abstract(eng.state), abstract(plan_)
+    pool = eng.state.cache.buffers
+    platform = "cuda" if mesh.abstract_device.platform == "gpu" else "tpu"
+    with use_abstract_mesh(mesh):
+        programs = {"step": STEP.trace(eng.statics[0], *args),
+                    "decode_steps": DECODE_STEPS.trace(eng.statics[0], 4, *args, sd((4,), jnp.int32),
+                                                       sd((2,), jnp.int32))}
+        texts = {name: t.lower(lowering_platforms=(platform,)).as_text() for name, t in programs.items()}
+    assert all(k in texts["step"] for k in kernels), kernels
+    for name, text in texts.items():
+        found = audit_pool(text, 37, pool[0].nbytes, len(pool))
+        assert found.aliased_pool and found.pool_copies == 0, (name, found)
+
+
+def test_the_pool_audit_sees_a_lost_donation_and_a_pool_copy():
+    """``audit_pool`` on programs that waste the pool: not donated (the program would copy it), converted to
+    another dtype and transposed; and on one that only writes a row in place."""
+    pool = sd((37, 2, 16), jnp.bfloat16)
+
+    def text(fn, donate):
+        return jax.jit(fn, donate_argnums=(0,) if donate else ()).trace(pool).lower().as_text()
+
+    def write(p):
+        return p.at[3].set(1.0)
+
+    bytes_ = 37 * 2 * 16 * 2
+    assert audit_pool(text(write, True), 37, bytes_, 1) == PoolAudit(True, 0, [])
+    assert not audit_pool(text(write, False), 37, bytes_, 1).aliased_pool
+    wasteful = audit_pool(text(lambda p: (p.astype(jnp.float32) * 2).astype(p.dtype), True), 37, bytes_, 1)
+    assert wasteful.aliased_pool and wasteful.pool_copies == 4  # two converts, the product and its broadcast 2
+    assert wasteful.pool_ops == ["stablehlo.broadcast_in_dim", "stablehlo.convert", "stablehlo.multiply"]
+    assert audit_pool(text(lambda p: p.transpose(0, 2, 1).reshape(37, 2, 16), True), 37, bytes_, 1).pool_ops == [
+        "stablehlo.transpose"]
