@@ -27,8 +27,13 @@ model family at the presets' real sizes (dense MLPs, f32 weights: it computes in
 a Jamba-like (Jamba 1.5 Mini's layer pattern with Mamba-2 mixers of Granite 4.0-H's size) and a
 Gemma-4-31B-like model.
 
+``--measure`` (on the day a GPU is lent: ``gpu_session.sh``) also serves each row on the machine's own device,
+random weights, ``batch`` requests prefilled to ``context`` tokens, and reports the median decode step
+(``measured_ms``, per step of a ``decode_steps`` call) against ``projected_ms``, and ``bytes_per_step`` over it
+(``measured_gb_per_s``) against the HBM's peak.
+
 Run: ``python benchmarks/gpu_projection.py [--configs gemma-3-270m,...] [--devices h200,tpu-v5p]
-[--batches 1,64,256] [--contexts 1024,4096,32768] [--programs step,decode_steps] [--json]``.
+[--batches 1,64,256] [--contexts 1024,4096,32768] [--programs step,decode_steps] [--measure] [--json]``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
@@ -186,6 +192,36 @@ def project(name: str, device: str, batch: int, context: int, program: str) -> d
             "projected_ms": round(total / DEVICES[device][2] * 1e3, 3)}
 
 
+def measure(name: str, batch: int, context: int, decode_steps: int, repeats: int = 16) -> dict:
+    """On the machine's own device: an engine serving ``name`` (random weights) to ``batch`` requests of
+    ``context`` tokens; the median seconds of a decode step once every request decodes (``decode_steps``
+    steps a call: 1 is ``STEP``, more ``DECODE_STEPS``)."""
+    import statistics
+
+    from hkv_jax.engine import Engine, SamplingParams
+
+    cfg, _ = build_model(name)
+    model = (Gemma3LM if isinstance(cfg, Gemma3Config) else TinyLM)(cfg, nnx.Rngs(0))
+    max_len = context + 2 * BLOCK_SIZE + decode_steps * (repeats + 2)
+    probe = plan(cfg.layers, block_size=BLOCK_SIZE, policy="vllm", num_blocks=2)
+    eng = Engine(model, num_blocks=batch * blocks_per_request(probe, max_len) + 1, block_size=BLOCK_SIZE,
+                 max_requests=batch, max_model_len=max_len, token_budget=max(batch, 512), decode_steps=decode_steps)
+    rng = np.random.default_rng(0)
+    for _ in range(batch):
+        prompt = rng.integers(1, cfg.vocab_size, context - 1).tolist()
+        eng.add_request(prompt, SamplingParams(decode_steps * (repeats + 2), min_tokens=decode_steps * (repeats + 2)))
+    while any(r.computed < len(r.prompt) for r in eng.requests.values()):  # the prefills
+        eng.step()
+    times = []
+    for _ in range(repeats):
+        jax.block_until_ready(eng.state)
+        t = time.perf_counter()
+        eng.step_tokens()
+        jax.block_until_ready(eng.state)
+        times.append((time.perf_counter() - t) / decode_steps)
+    return {"measured_ms": round(statistics.median(times) * 1e3, 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS))
@@ -193,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--contexts", default="1024,4096,32768")
     p.add_argument("--programs", default="step,decode_steps")
+    p.add_argument("--measure", action="store_true",
+                   help="also run each row on this machine's device (random weights) and time its decode step")
     p.add_argument("--json", action="store_true", help="print {\"rows\": [...]} as JSON")
     args = p.parse_args(argv)
     names, devices, programs = args.configs.split(","), args.devices.split(","), args.programs.split(",")
@@ -214,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                     for program in programs:
                         t = time.perf_counter()
                         row = project(name, device, batch, context, program)
+                        if args.measure:
+                            row.update(measure(name, batch, context, 1 if program == "step" else DECODE_CALL_STEPS))
+                            row["measured_gb_per_s"] = round(row["bytes_per_step"] / row["measured_ms"] / 1e6, 1)
                         rows.append(row)
                         print(f"{name:>18} {device:>7} {program:>12} B={batch:<4} ctx={context:<6} "
                               f"aliased={row['aliased_pool']!s:<5} copies={row['pool_copies']} {row['pool_ops']} "
@@ -221,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
                               f"x{row['ratio']:<6} {row['projected_ms']:8.2f} ms  (XLA unfused "
                               f"{row['xla_unfused_bytes'] / 1e9:.1f} GB; {time.perf_counter() - t:.0f} s)",
                               file=sys.stderr, flush=True)
+                        if args.measure:
+                            print(f"{'':>18} measured {row['measured_ms']:.2f} ms against {row['projected_ms']:.2f} ms "
+                                  f"projected: {row['measured_gb_per_s']:.0f} GB/s of "
+                                  f"{DEVICES[device][2] / 1e9:.0f} GB/s", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps({"rows": rows}))
     bad = [r for r in rows if not r["aliased_pool"] or r["pool_copies"]]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU run (the `device` tool's machine: jax + CUDA plugin installed, no internet).
-# Checks every kernel against the reference on the GPU, then times decode and prefill, then the engine step.
+# Checks every kernel against the reference on the GPU, then times decode and prefill, then the engine step,
+# then the projected decode rows (gpu_projection.py --measure).
 # Usage (repo root): bash benchmarks/gpu_session.sh [OUTDIR]   (OUTDIR defaults to $OUT or /tmp)
 set -euo pipefail
 out=${1:-${OUT:-/tmp}}
@@ -15,3 +16,7 @@ python examples/bench_engine_gpu.py --requests 48 2>&1 | tee "$out/engine_steps.
 # The engine step split into allocator and model share, on the GPU (the vectorised path; figures in us).
 python benchmarks/engine_step.py --models full32,gemma3 --batch 64,256 --paths new --repeats 2 --json \
   > "$out/engine_step.json" 2> >(tee "$out/engine_step.log" >&2)
+# The decode programs' projected rows (gpu_projection.py: bytes per step at HBM peak), served and timed here:
+# measured against projected milliseconds, and the bytes per step over the measured time against the peak.
+python benchmarks/gpu_projection.py --configs gemma-3-270m,llama-3.1-8b-like --devices h200 --batches 1,64 \
+  --contexts 4096 --programs decode_steps --measure --json > "$out/projection.json" 2> >(tee "$out/projection.log" >&2)

@@ -115,8 +115,8 @@ class SoakRequest:
         self.computed, self.running = 0, False
 
 
-def allocator_soak(requests: int, slots: int, check_every: int, check_model: bool, seed: int,
-                   progress: bool) -> dict:
+def allocator_soak(requests: int, slots: int, check_every: int, check_model: bool, seed: int) -> dict:
+    """The allocator soak of the module docstring; its figures. Progress goes to stderr every 30 s."""
     import jax
     import jax.numpy as jnp
 
@@ -238,7 +238,7 @@ def allocator_soak(requests: int, slots: int, check_every: int, check_model: boo
             next_check += check_every
         if steady is None and admitted >= requests // 10:  # the programs have compiled by now
             steady = time.perf_counter(), ops_done
-        if progress and time.perf_counter() - last_print > 30:
+        if time.perf_counter() - last_print > 30:
             last_print = time.perf_counter()
             print(f"  {admitted:,} requests admitted, {ops_done:,} operations, "
                   f"{ops_done / (last_print - start):,.0f} ops/s, {rss_mb():.0f} MiB", file=sys.stderr, flush=True)
@@ -375,7 +375,8 @@ def metrics(port: int) -> dict[str, float]:
     return out
 
 
-def serve_soak(requests: int, clients: int, model: str, seed: int, progress: bool) -> dict:
+def serve_soak(requests: int, clients: int, model: str, seed: int) -> dict:
+    """The serve soak of the module docstring; its figures. Progress goes to stderr every 30 s."""
     port = _free_port()
     cmd = [sys.executable, "-m", "hkv_jax.cli", "serve", "--model", model, "--port", str(port), "--max-requests", "8"]
     log = tempfile.TemporaryFile("w+")  # the server's output (a pipe nobody reads would fill and block it)
@@ -395,7 +396,7 @@ def serve_soak(requests: int, clients: int, model: str, seed: int, progress: boo
                 with lock:
                     done = sum(tally.values())
                 rss.append((done, rss_mb(server.pid)))
-                if progress and len(rss) % 30 == 0:
+                if len(rss) % 30 == 0:
                     print(f"  {done:,}/{requests:,} requests, server {rss[-1][1]:.0f} MiB", file=sys.stderr,
                           flush=True)
                 time.sleep(1)
@@ -473,11 +474,10 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.allocator:
-        out = allocator_soak(args.requests, args.slots, args.check_every, args.check_model, args.seed,
-                             progress=not args.json)
+        out = allocator_soak(args.requests, args.slots, args.check_every, args.check_model, args.seed)
         ok = True
     else:
-        out = serve_soak(args.requests, args.clients, args.model, args.seed, progress=not args.json)
+        out = serve_soak(args.requests, args.clients, args.model, args.seed)
         ok = (out["leaked_blocks"] == 0 and out["errors_5xx"] == 0 and out["server_alive"]
               and out["incomplete"] == 0 and out["running_at_end"] == 0 and out["waiting_at_end"] == 0
               and not out["outcomes"].get("unexpected_4xx") and out["rss_mb_end"] < 1.1 * out["rss_mb_start"])

@@ -116,3 +116,17 @@ def test_vllm_mean_script_reports_the_mean_of_the_steps_the_oracle_takes_the_med
     bad = subprocess.run([sys.executable, script, "--oracle", str(tmp_path / "nowhere")],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "no replay.py" in bad.stderr
+
+
+def test_serve_soak_leaks_nothing_under_misbehaving_clients():
+    """``soak.py --serve`` at 200 requests from 8 clients (the recorded run is 20,000 from 32): every block free
+    and nothing running at the end, no 5xx, every answer not aborted whole, the server alive; clients went
+    away mid-stream and malformed requests were refused. (Its RSS check needs the long run's warm start.)"""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/soak.py"), "--serve", "--requests", "200",
+                           "--clients", "8", "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    out = json.loads(proc.stdout)
+    assert out["leaked_blocks"] == 0 and out["running_at_end"] == 0 and out["waiting_at_end"] == 0, out
+    assert out["errors_5xx"] == 0 and out["incomplete"] == 0 and out["server_alive"], out
+    outcomes = out["outcomes"]
+    assert sum(outcomes.values()) == 200 and not outcomes.get("unexpected_4xx"), outcomes
+    assert outcomes["disconnected"] >= 1 and outcomes["rejected"] >= 1 and outcomes["whole"] >= 150, outcomes

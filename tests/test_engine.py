@@ -29,7 +29,7 @@ PARITY_BLOCKS = {("tiny-gemma3", "vllm"): 44, ("tiny-gptoss", "vllm"): 14, ("tin
 # with 8 (its chunked-local groups hold few blocks), tiny-gemma4 with 10.
 NEW_TOKENS = {"tiny-llama4": 8, "tiny-gemma4": 10}
 # tiny-gptoss (2 groups: the cheapest to compile) runs the default token buckets: decode-only steps run the
-# step compiled for 4 tokens, and its tokens are checked against the dense model too.
+# step compiled for 4 tokens, and its tokens are checked against the dense model too (without drafts).
 DEFAULT_BUCKETS = {"tiny-gptoss"}
 # tiny-gptoss runs the portable Pallas kernels (the GPU path's code) in interpret mode; the others run the
 # dense jnp reference attention.
@@ -69,11 +69,11 @@ SAME_SIZES = {name: pytest.mark.xdist_group(f"{name}-parity-sizes")
               for name in ("tiny-gemma3", "tiny-llama4", "tiny-jamba")}
 
 
-# Speculative decoding (n-gram drafts of 3 tokens) on a tiny model of each kind of group: sliding window,
-# chunked local, groups of two block sizes and Mamba (its states rewound to the accepted token): the same
-# tokens and logits, with the drafts' slots taken from the same small pool. (tiny-gptoss adds no kind of
-# group; its Pallas kernels in interpret mode would make it the slowest.)
-SPECULATIVE = {("tiny-gemma3", "vllm"), ("tiny-llama4", "vllm"), ("tiny-gemma4", "vllm"), ("tiny-jamba", "min-waste")}
+# Speculative decoding (n-gram drafts of 3 tokens) on every tiny model: the same tokens and logits, with the
+# drafts' slots taken from the same small pool (tiny-jamba: its Mamba states rewound to the accepted token;
+# tiny-gptoss on the reference attention, its interpret-mode kernels being checked without drafts).
+SPECULATIVE = {("tiny-gemma3", "vllm"), ("tiny-gptoss", "vllm"), ("tiny-llama4", "vllm"), ("tiny-gemma4", "vllm"),
+               ("tiny-jamba", "min-waste")}
 
 
 @pytest.mark.parametrize("name,policy,speculative", [
@@ -83,8 +83,10 @@ def test_engine_generates_the_dense_models_tokens(name, policy, speculative):
     model = tiny(name)
     # A pool small enough that the run preempts; a token budget that chunks the prefills.
     eng = Engine(model, num_blocks=PARITY_BLOCKS[name, policy], block_size=8, max_requests=4,
-                 max_model_len=MAX_LEN, token_budget=32, token_buckets=None if name in DEFAULT_BUCKETS else (32,),
-                 impl=IMPL.get(name, "reference"), policy=policy, max_top_logprobs=MAX_TOP_LOGPROBS.get(name, 0),
+                 max_model_len=MAX_LEN, token_budget=32,
+                 token_buckets=None if name in DEFAULT_BUCKETS and not speculative else (32,),
+                 impl="reference" if speculative else IMPL.get(name, "reference"), policy=policy,
+                 max_top_logprobs=MAX_TOP_LOGPROBS.get(name, 0),
                  max_logit_bias=MAX_LOGIT_BIAS.get(name, 0), speculative=NgramSpec(3) if speculative else None)
     if name == "tiny-gemma4":  # what the two policies plan for it
         groups = eng.kv_cache_config.groups
