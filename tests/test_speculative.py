@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hkv_jax.engine import DraftModelSpec, Engine, EngineConfig, SamplingParams
-from hkv_jax.engine.speculative import NgramSpec, accepted_drafts, ngram_drafts
+from hkv_jax.engine.speculative import NgramSpec, accepted_drafts, keeps_drafting, ngram_drafts
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 
@@ -56,6 +56,15 @@ def test_ngram_drafts_follow_the_latest_longest_earlier_match(seqs, k, lo, extra
 def test_bad_ngram_specs_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         NgramSpec(**fields)
+
+
+def test_a_request_stops_drafting_when_its_drafts_give_too_little():
+    # (speculative steps, draft tokens verified, accepted): judged by tokens after 64 draft tokens (10%), by
+    # steps after 16 (a quarter of a token per step), whichever comes first.
+    assert keeps_drafting(15, 63, 0) and keeps_drafting(15, 64, 7)
+    assert not keeps_drafting(15, 64, 6)
+    assert keeps_drafting(16, 10, 4) and not keeps_drafting(16, 10, 3)
+    assert not keeps_drafting(40, 0, 9) and keeps_drafting(40, 90, 10)
 
 
 def test_verification_accepts_drafts_up_to_the_first_that_differs_from_the_targets_token():

@@ -73,11 +73,14 @@ class OutputProcessor:
         stats.spec_draft_tokens += int(drafted.sum())
         stats.spec_accepted_tokens += int(accepted[lanes].sum())
         stop = []
-        for i in lanes.tolist():
+        # Every lane that could draft and sampled took part, whether its n-gram matched or not.
+        took_part = (out.num_drafts[:drafted.shape[0]] > 0) & (report.sampled[0] > 0)
+        for i in np.flatnonzero(took_part).tolist():
             r = out.requests[i]
+            r.spec_steps += 1
             r.draft_tokens += int(drafted[i])
             r.accepted_tokens += int(accepted[i])
-            if not r.done and not keeps_drafting(r.draft_tokens, r.accepted_tokens):
+            if not r.done and not keeps_drafting(r.spec_steps, r.draft_tokens, r.accepted_tokens):
                 stop.append(r)
         if stop:
             self.scheduler.stop_drafting(stop)

@@ -71,9 +71,10 @@ class Request:
     stop_string: str | None = None  # the one of ``params.stop_strings`` that ended it
     logprobs: list[float] | None = None  # each generated token's log-probability (``params.logprobs``)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per generated token: (token, log-probability)
-    # Speculative decoding: whether it still drafts (it stops when its drafts are rarely accepted), and
-    # its draft tokens verified and accepted so far.
+    # Speculative decoding: whether it still drafts (it stops when its drafts give too little), the
+    # speculative steps it took part in, and its draft tokens verified and accepted so far.
     drafting: bool = True
+    spec_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     # ``time.time()`` when it was queued, when its first token was booked, when it finished or was aborted.
