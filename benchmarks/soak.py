@@ -3,8 +3,9 @@
 ``--allocator --requests N``: N requests through the jitted batched allocator ops (``admit_batch``,
 ``prefill_batch``, ``schedule_batch``, ``decode_step``, ``append_batch``, ``release_batch``) on a hybrid
 model (full + sliding window + chunked local + Mamba groups), ``--slots`` at a time in a pool small enough
-that requests are preempted. Prompts share one of a few prefixes (prefix hits); prefills run in random
-chunks; requests stop at a random length, and a few are aborted while waiting or running. Every
+that requests wait for blocks and running ones are preempted (when a step finds no room, and a few at
+random). Prompts share one of a few prefixes (prefix hits); prefills run in random chunks; requests stop at
+a random length, and a few are aborted while waiting or running. Every
 ``--check-every`` operations (admissions, scheduled lanes, appends, frees, preemptions: one each) it checks
 the pool's invariants on the device state:
 
@@ -127,10 +128,10 @@ def allocator_soak(requests: int, slots: int, check_every: int, check_model: boo
 
     max_len = 384
     layers = soak_layers()
-    # A tenth of what every slot at max_model_len would hold: requests wait and are preempted.
+    # 15% of what every slot at max_model_len would hold: requests wait and are preempted.
     config = plan(layers, block_size=BS, policy="vllm", num_blocks=2)
     per_request = sum(-(-max_len // g.block_size) for g in config.groups)
-    config = plan(layers, block_size=BS, policy="vllm", num_blocks=int(0.1 * slots * per_request))
+    config = plan(layers, block_size=BS, policy="vllm", num_blocks=int(0.15 * slots * per_request))
     layout = Layout.from_config(config, max_model_len=max_len, max_requests=slots)
     jit = functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
     release, admit = jit(ops.release_batch), jit(ops.admit_batch)
@@ -158,7 +159,7 @@ def allocator_soak(requests: int, slots: int, check_every: int, check_model: boo
                 del live[slot]
                 if model:
                     model.free(r.rid)
-            elif r.running and r.preempt:
+            elif r.running and (r.preempt or rng.random() < 0.003):  # out of blocks, or at random
                 pre_m[slot] = True
                 r.running, r.computed, r.preempt = False, 0, False
                 preempted += 1
@@ -170,7 +171,7 @@ def allocator_soak(requests: int, slots: int, check_every: int, check_model: boo
             if slot in live or admitted >= requests or rng.random() < 0.3:
                 continue
             prompt = rng.choice(prefixes) + [rng.randrange(1, 32000) for _ in range(rng.randrange(1, 160))]
-            r = SoakRequest(f"r{admitted}", prompt, min(max_len - 1, len(prompt) + rng.randrange(1, 33)))
+            r = SoakRequest(f"r{admitted}", prompt, min(max_len - 1, len(prompt) + rng.randrange(1, 17)))
             r.preempt = False
             live[slot] = r
             adm_slots[len(prompts)], lens[len(prompts)] = slot, len(prompt)
