@@ -263,9 +263,9 @@ class Client:
     """One soak client: a bounded loop over its share of the requests against ``host:port``."""
 
     def __init__(self, port: int, count: int, seed: int, prefixes: list[str], latencies: list, tally: dict,
-                 lock: threading.Lock):
+                 examples: list, lock: threading.Lock):
         self.port, self.count, self.rng, self.prefixes = port, count, random.Random(seed), prefixes
-        self.latencies, self.tally, self.lock = latencies, tally, lock
+        self.latencies, self.tally, self.examples, self.lock = latencies, tally, examples, lock
 
     def _count(self, key: str) -> None:
         with self.lock:
@@ -278,7 +278,7 @@ class Client:
             return "/v1/completions", rng.choice([b"{not json", b'{"prompt": 3}', b'{"prompt": "a", "max_tokens": -2}',
                                                   b'{"prompt": "a", "temperature": "hot"}', b"[]",
                                                   b'{"messages": "hi"}', b'{"prompt": "a", "n": 0}'])
-        text = rng.choice(self.prefixes) + " " + " ".join(rng.choice(WORDS) for _ in range(rng.randrange(1, 12)))
+        text = rng.choice(self.prefixes) + " " + " ".join(rng.choice(WORDS) for _ in range(rng.randrange(1, 8)))
         params = {"max_tokens": rng.randrange(1, 24), "temperature": rng.choice((0, 0.7, 1.0)),
                   "stream": rng.random() < 0.5}
         for name, values in (("top_p", (0.5, 0.9)), ("top_k", (5, 40)), ("seed", (1, 7, 123)),
@@ -310,8 +310,11 @@ class Client:
                     self._count("errors_5xx")
                     continue
                 if resp.status != 200:
-                    resp.read()
+                    answer = resp.read()
                     self._count("rejected" if isinstance(body, bytes) else "unexpected_4xx")
+                    if not isinstance(body, bytes):
+                        with self.lock:
+                            self.examples.append(f"{json.dumps(body)[:200]} -> {answer.decode()[:200]}")
                     continue
                 whole = self._read(resp, stream, body)
                 self._count("whole" if whole else "incomplete")
@@ -385,11 +388,13 @@ def serve_soak(requests: int, clients: int, model: str, seed: int) -> dict:
     try:
         _wait_healthy(server, port, log)
         rng = random.Random(seed)
-        prefixes = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(8, 40))) for _ in range(5)]
-        latencies, tally, lock = [], {}, threading.Lock()
+        # Prompts of at most 32 words: with the answer, within a tiny model's 256 tokens (its tokens are bytes).
+        prefixes = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(8, 24))) for _ in range(5)]
+        latencies, tally, examples, lock = [], {}, [], threading.Lock()
         shares = [requests // clients + (i < requests % clients) for i in range(clients)]
-        threads = [threading.Thread(target=Client(port, k, seed * 1000 + i, prefixes, latencies, tally, lock).run,
-                                    daemon=True) for i, k in enumerate(shares)]
+        clients_ = [Client(port, k, seed * 1000 + i, prefixes, latencies, tally, examples, lock)
+                    for i, k in enumerate(shares)]
+        threads = [threading.Thread(target=c.run, daemon=True) for c in clients_]
         rss, start = [], time.perf_counter()
 
         def sample():  # the server's RSS and how many answers were in, every second
@@ -422,6 +427,7 @@ def serve_soak(requests: int, clients: int, model: str, seed: int) -> dict:
                 "running_at_end": int(m["hkv_requests_running"]), "waiting_at_end": int(m["hkv_requests_waiting"]),
                 "errors_5xx": tally.get("errors_5xx", 0), "incomplete": tally.get("incomplete", 0),
                 "server_alive": alive, "outcomes": dict(sorted(tally.items())),
+                "unexpected_4xx_examples": examples[:5],
                 "latency_p50_ms": round(float(np.percentile(lat, 50)), 1) if len(lat) else None,
                 "latency_p99_ms": round(float(np.percentile(lat, 99)), 1) if len(lat) else None,
                 "rss_mb_start": round(first), "rss_mb_end": round(last), "seconds": round(seconds, 1)}

@@ -98,8 +98,7 @@ class CompletionServer:
     def start(self, host: str = "127.0.0.1", port: int = 8000, warm: bool = False) -> tuple[str, int]:
         """Serve in background threads; returns ``(host, port)`` (``port=0``: any free port). ``warm``: once
         the port is bound, compile the step programs (``warm_up``) before taking requests."""
-        self._http = ThreadingHTTPServer((host, port), _handler(self))
-        self._http.daemon_threads = True
+        self._http = _HTTPServer((host, port), _handler(self))
         if warm:
             warm_up(self.engine)
             self.engine.reset_stats()  # the metrics count what clients asked for, not the warm-up
@@ -304,6 +303,14 @@ class CompletionServer:
         new = range(served.sent, len(r.generated))
         served.sent = len(r.generated)
         return [self._entry(r.generated[i], r.logprobs[i], r.top_logprobs[i] if served.top else []) for i in new]
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    """One thread per connection; the kernel holds up to 1,024 connections not accepted yet (socketserver's
+    default of 5 resets clients when a few dozen connect at once)."""
+
+    daemon_threads = True
+    request_queue_size = 1024
 
 
 def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
