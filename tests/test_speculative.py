@@ -60,11 +60,11 @@ def test_bad_ngram_specs_are_refused(fields, message):
 
 def test_a_request_stops_drafting_when_its_drafts_give_too_little():
     # (speculative steps, draft tokens verified, accepted): judged by tokens after 64 draft tokens (10%), by
-    # steps after 16 (a quarter of a token per step), whichever comes first.
-    assert keeps_drafting(15, 63, 0) and keeps_drafting(15, 64, 7)
-    assert not keeps_drafting(15, 64, 6)
-    assert keeps_drafting(16, 10, 4) and not keeps_drafting(16, 10, 3)
-    assert not keeps_drafting(40, 0, 9) and keeps_drafting(40, 90, 10)
+    # steps after 8 (half a token per step), whichever comes first.
+    assert keeps_drafting(7, 63, 0) and keeps_drafting(7, 64, 7)
+    assert not keeps_drafting(7, 64, 6)
+    assert keeps_drafting(8, 10, 4) and not keeps_drafting(8, 10, 3)
+    assert not keeps_drafting(40, 0, 19) and keeps_drafting(40, 190, 20)
 
 
 def test_verification_accepts_drafts_up_to_the_first_that_differs_from_the_targets_token():

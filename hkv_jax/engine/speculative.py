@@ -135,12 +135,13 @@ def accepted_drafts(draft: jax.Array, count: jax.Array, sampled: jax.Array) -> j
 # A request stops drafting when its drafts cost more than they give: once this many of its draft tokens
 # were verified and fewer than this share of them accepted, or once it took part in this many speculative
 # steps (with a draft or not: a step that may draft runs alone in its program, and samples every position)
-# and accepted fewer than this many tokens per step. A request that drafts no more steps as without
-# speculation, several steps a program and in the lean program where it can.
+# and accepted fewer than this many tokens per step (a speculative step of 4 positions costs about 1.4
+# decode steps of Gemma 3 270M on a CPU). A request that drafts no more steps as without speculation,
+# several steps a program and in the lean program where it can.
 JUDGE_AFTER = 64
 MIN_ACCEPTANCE = 0.1
-JUDGE_AFTER_STEPS = 16
-MIN_ACCEPTED_PER_STEP = 0.25
+JUDGE_AFTER_STEPS = 8
+MIN_ACCEPTED_PER_STEP = 0.5
 
 
 def keeps_drafting(steps: int, draft_tokens: int, accepted_tokens: int) -> bool:
