@@ -18,8 +18,9 @@ class EngineConfig:
     ``max_model_len`` tokens per request at most; ``token_budget`` tokens computed per step at most.
 
     ``token_buckets``: the step is compiled once per size (default: ``min(max_requests, token_budget)``,
-    times ``1 + k`` with ``k`` draft tokens, and ``token_budget``) and each step runs the smallest that
-    holds its tokens, so a decode-only step does not pay for prefill-sized arrays. ``impl``: the attention
+    with ``k`` draft tokens also ``min(max_requests * (1 + k), token_budget)``, and ``token_budget``) and
+    each step runs the smallest that holds its tokens, so a decode-only step does not pay for prefill-sized
+    arrays. ``impl``: the attention
     kernel (``kernels_pallas.choose``).
     ``seed``: the sampling key. ``prefix_caching=False``: nothing ever hits. ``window_aware_eviction``:
     blocks leaving a sliding window go to the front of the free queue. ``vectorised=False`` runs the
@@ -91,7 +92,9 @@ class EngineConfig:
 
     @property
     def buckets(self) -> list[int]:
-        """The token buckets, ascending (by default a decode step's, its drafts included, and the budget)."""
-        per_request = 1 + (self.speculative.num_speculative_tokens if self.speculative else 0)
-        return sorted(set(self.token_buckets or (min(self.max_requests * per_request, self.token_budget),
-                                                 self.token_budget)))
+        """The token buckets, ascending (by default a decode step's, with speculation also one with every
+        request's drafts, and the budget: a step where no request drafts runs in the smaller one)."""
+        sizes = {min(self.max_requests, self.token_budget), self.token_budget}
+        if self.speculative:
+            sizes.add(min(self.max_requests * (1 + self.speculative.num_speculative_tokens), self.token_budget))
+        return sorted(set(self.token_buckets or sizes))
