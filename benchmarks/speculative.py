@@ -13,7 +13,8 @@ its end-of-turn token (without it the small model's answer soon loops, which dra
   sample the same tokens; drafts rarely match).
 
 Each configuration is timed from submitting the C requests to the last token, after an untimed run of
-the same shapes (it compiles the programs), ``--repeats`` times; the median is reported. The engine
+the same shapes (it compiles the programs), ``--repeats`` times, the runs without and with speculation
+alternating (this machine's speed drifts by tens of percent within minutes); the median is reported. The engine
 runs as ``hkv generate`` does (up to ``--decode-steps`` decode steps per program within
 ``--max-call-ms``), with speculation drafts of ``--num-speculative-tokens`` tokens
 (``EngineConfig.speculative``; a step where some request drafts runs alone in its program).
@@ -91,26 +92,30 @@ def run(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float
     return seconds, generated
 
 
-def measure(model, prompts: list[list[int]], params: SamplingParams, args, speculative: bool) -> dict:
-    """Median tokens/s of ``args.repeats`` timed runs (after a warm-up run) and the drafts' figures."""
+def measure(model, prompts: list[list[int]], params: SamplingParams, args) -> tuple[dict, dict]:
+    """Tokens/s without and with speculation: ``args.repeats`` timed runs of each, alternating (this
+    machine's speed drifts within minutes), after a warm-up run of each; medians, and the drafts' figures."""
     c = len(prompts)
     longest = max(len(p) for p in prompts) + args.new_tokens
     gen = GenerateConfig()
     options = {"decode_steps": args.decode_steps, "max_call_seconds": args.max_call_ms / 1e3 or None}
-    if speculative:
-        options["speculative"] = NgramSpec(args.num_speculative_tokens)
-    engine = engine_for(model, longest, max_requests=c, token_budget=args.token_budget, block_size=gen.block_size,
-                        **options)
-    run(engine, prompts, params)  # compiles
-    engine.reset_stats()
-    runs = [run(engine, prompts, params) for _ in range(args.repeats)]
-    s = engine.stats
-    out = {"tokens_per_s": round(statistics.median(n / t for t, n in runs), 2), "generated": runs[0][1]}
-    if speculative:
-        out.update(acceptance_rate=round(s.acceptance_rate, 3),
-                   mean_accepted_length=round(s.spec_accepted_tokens / max(s.spec_drafts, 1), 2),
-                   steps_per_token=round(s.steps / sum(n for _, n in runs), 3))
-    return out
+    engines = [engine_for(model, longest, max_requests=c, token_budget=args.token_budget,
+                          block_size=gen.block_size, **options, **spec)
+               for spec in ({}, {"speculative": NgramSpec(args.num_speculative_tokens)})]
+    for engine in engines:
+        run(engine, prompts, params)  # compiles
+        engine.reset_stats()
+    runs = [[], []]
+    for _ in range(args.repeats):
+        for engine, timed in zip(engines, runs):
+            timed.append(run(engine, prompts, params))
+    out = [{"tokens_per_s": round(statistics.median(n / t for t, n in timed), 2), "generated": timed[0][1]}
+           for timed in runs]
+    s = engines[1].stats
+    out[1].update(acceptance_rate=round(s.acceptance_rate, 3),
+                  mean_accepted_length=round(s.spec_accepted_tokens / max(s.spec_drafts, 1), 2),
+                  steps_per_token=round(s.steps / sum(n for _, n in runs[1]), 3))
+    return out[0], out[1]
 
 
 def main() -> int:
@@ -136,8 +141,7 @@ def main() -> int:
                        for i in range(c)]
             sampled = {"temperature": 0.8, "top_p": 0.95, "seed": 0} if kind == "free-sampled" else {}
             params = SamplingParams(args.new_tokens, stop=codec.eos_ids, **sampled)
-            base = measure(model, prompts, params, args, speculative=False)
-            spec = measure(model, prompts, params, args, speculative=True)
+            base, spec = measure(model, prompts, params, args)
             assert spec["generated"] == base["generated"]  # greedy or seeded: the same answers
             row = {"concurrency": c, "prompts": kind, "generated": base["generated"],
                    "tokens_per_s": base["tokens_per_s"], "spec_tokens_per_s": spec["tokens_per_s"],
