@@ -19,7 +19,7 @@ from hkv_jax.allocator.pymodel import NULL, RUNNING, WAITING, PyAllocator
 from hkv_jax.planner import plan
 from hkv_jax.spec import FullAttentionSpec, MambaSpec
 
-settings.register_profile("ci", max_examples=300, stateful_step_count=20, deadline=None,
+settings.register_profile("ci", max_examples=200, stateful_step_count=20, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("nightly", max_examples=5000, stateful_step_count=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
