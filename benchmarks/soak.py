@@ -113,7 +113,7 @@ class SoakRequest:
 
     def __init__(self, rid: str, prompt: list[int], target: int):
         self.rid, self.tokens, self.prompt_len, self.target = rid, prompt, len(prompt), target
-        self.computed, self.running = 0, False
+        self.computed, self.running, self.preempt = 0, False, False  # preempt: at the next release
 
 
 def allocator_soak(requests: int, slots: int, check_every: int, check_model: bool, seed: int) -> dict:
@@ -172,7 +172,6 @@ def allocator_soak(requests: int, slots: int, check_every: int, check_model: boo
                 continue
             prompt = rng.choice(prefixes) + [rng.randrange(1, 32000) for _ in range(rng.randrange(1, 160))]
             r = SoakRequest(f"r{admitted}", prompt, min(max_len - 1, len(prompt) + rng.randrange(1, 17)))
-            r.preempt = False
             live[slot] = r
             adm_slots[len(prompts)], lens[len(prompts)] = slot, len(prompt)
             prompts.append(prompt)

@@ -49,10 +49,15 @@ def state_blocks(cache: KVCache, layer: str, metadata: AttentionMetadata):
     slot = cache.layout.slot(layer)
     if not isinstance(slot.spec, MambaSpec):
         raise TypeError(f"layer {layer!r} is not a Mamba layer")
-    q_len = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
-    start = metadata.seq_lens - q_len
+    q_len, start = _step_span(metadata)
     return (state_entry(cache, layer, metadata, start), state_entry(cache, layer, metadata, metadata.seq_lens),
             start == 0, q_len > 0)
+
+
+def _step_span(metadata: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+    """Each sequence's tokens in the step and the position it starts at: ``(q_len, start)``, ``i32[S]`` each."""
+    q_len = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
+    return q_len, metadata.seq_lens - q_len
 
 
 def state_entry(cache: KVCache, layer: str, metadata: AttentionMetadata, n: jax.Array) -> jax.Array:
@@ -123,8 +128,7 @@ def commit_accepted(model: nnx.Module, cache: KVCache, metadata: AttentionMetada
     """After verification: write each sequence's state after its first ``keep: i32[S]`` tokens of the step
     (from the records ``record`` left in ``model``) to the entry for ``start + keep`` tokens, where
     ``0 < keep <`` the tokens it computed (elsewhere the state the step wrote is already the right one)."""
-    q_len = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
-    start = metadata.seq_lens - q_len
+    q_len, start = _step_span(metadata)
     rewind = (keep > 0) & (keep < q_len)
     at = jnp.clip(keep - 1, 0, metadata.record_positions - 1)
     for _, node in nnx.iter_graph(model):
