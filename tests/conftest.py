@@ -11,23 +11,6 @@ from pathlib import Path
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # The CLI's persistent compilation cache stays off: tests write nothing under the home directory.
 os.environ.setdefault("HKV_COMPILATION_CACHE", "")
-# One run's programs are kept in a directory of its own, which the xdist workers and the tests' subprocesses
-# share: a program another process compiled already is read back instead (about a sixth of the suite's CPU
-# time on 2 cores). Made by the controller (the workers inherit it), removed when the run ends; a run with
-# JAX_COMPILATION_CACHE_DIR set uses that directory and leaves it.
-_RUN_CACHE = None
-if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import tempfile
-
-    _RUN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="hkv-tests-xla-")
-
-
-def pytest_unconfigure(config):
-    """Remove this run's compiled programs (``_RUN_CACHE``)."""
-    if _RUN_CACHE is not None:
-        import shutil
-
-        shutil.rmtree(_RUN_CACHE, ignore_errors=True)
 
 
 def _preload_no_jit_eh_frames() -> None:
