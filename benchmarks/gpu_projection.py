@@ -187,9 +187,22 @@ def project(name: str, device: str, batch: int, context: int, program: str) -> d
     return {"config": name, "device": device, "program": program, "batch": batch, "context": context,
             "aliased_pool": found.aliased_pool, "pool_copies": found.pool_copies, "pool_ops": found.pool_ops,
             "bytes_per_step": total, "weights_bytes": weights, "kernel_bytes": kernel, "logits_bytes": logits,
-            "xla_unfused_bytes": int(lowered.cost_analysis()["bytes accessed"]),
+            # The CUDA lowering has no cost analysis (None): the field is then None.
+            "xla_unfused_bytes": _unfused_bytes(lowered),
             "ideal_bytes": weights + kv_ideal, "ratio": round(total / (weights + kv_ideal), 3),
             "projected_ms": round(total / DEVICES[device][2] * 1e3, 3)}
+
+
+def _unfused_bytes(lowered) -> int | None:
+    """XLA's bytes accessed by the unfused module, where the backend's lowering has a cost analysis."""
+    cost = lowered.cost_analysis()
+    if isinstance(cost, list):  # older jax: one dict per computation
+        cost = cost[0] if cost else None
+    return None if not cost or "bytes accessed" not in cost else int(cost["bytes accessed"])
+
+
+def _gb(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 1e9:.1f} GB"
 
 
 def measure(name: str, batch: int, context: int, decode_steps: int, repeats: int = 16) -> dict:
@@ -260,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"aliased={row['aliased_pool']!s:<5} copies={row['pool_copies']} {row['pool_ops']} "
                               f"bytes={row['bytes_per_step'] / 1e9:8.3f} GB ideal={row['ideal_bytes'] / 1e9:8.3f} GB "
                               f"x{row['ratio']:<6} {row['projected_ms']:8.2f} ms  (XLA unfused "
-                              f"{row['xla_unfused_bytes'] / 1e9:.1f} GB; {time.perf_counter() - t:.0f} s)",
+                              f"{_gb(row['xla_unfused_bytes'])}; {time.perf_counter() - t:.0f} s)",
                               file=sys.stderr, flush=True)
                         if args.measure:
                             print(f"{'':>18} measured {row['measured_ms']:.2f} ms against {row['projected_ms']:.2f} ms "

@@ -19,15 +19,18 @@ has the same free blocks and computed counts. It prints operations/s (after the 
 requests, by when every program has compiled) and the process' memory.
 
 ``--serve --requests N --clients C``: starts ``hkv serve`` (``--model``, tiny-gptoss by default) on a
-loopback port and drives it from C client threads, each a bounded loop over its share of the requests:
+loopback port (or, with ``--port P``, uses the one already listening on 127.0.0.1:P) and drives it from C
+client threads, each a bounded loop over its share of the requests:
 completions and chat completions over shared prompt prefixes, random sampling parameters, streamed and
 whole answers, ``n > 1``, echo with log-probabilities, 10% of clients going away mid-stream and 5%
 malformed requests. At the end it checks that ``/metrics`` shows every block free and nothing running or
 waiting, that every answer not aborted was whole, that no answer was a 5xx and that the server is alive,
-and compares the server's RSS between the first and the last quarter of the run.
+and compares the server's RSS between the first and the last quarter of the run (a server it started).
+Prompts are cut to fit the server's ``max_model_len`` (``/v1/models``), counting a character as at least
+one token.
 
 Run: ``python benchmarks/soak.py --allocator --requests 1000000 [--slots 32] [--check-model] [--json]`` or
-``python benchmarks/soak.py --serve --requests 20000 --clients 32 [--model tiny-gptoss] [--json]``.
+``python benchmarks/soak.py --serve --requests 20000 --clients 32 [--model tiny-gptoss | --port P] [--json]``.
 """
 
 from __future__ import annotations
@@ -255,6 +258,7 @@ def allocator_soak(requests: int, slots: int, check_every: int, check_model: boo
 
 # --- serve ----------------------------------------------------------------------------------------
 
+CHAT_OVERHEAD = 64  # tokens a chat turn's format adds around the message (Gemma's: about 50 bytes)
 WORDS = "the of and to in is was for on that with as by at from his her it an are were which this".split()
 
 
@@ -262,8 +266,9 @@ class Client:
     """One soak client: a bounded loop over its share of the requests against ``host:port``."""
 
     def __init__(self, port: int, count: int, seed: int, prefixes: list[str], latencies: list, tally: dict,
-                 examples: list, lock: threading.Lock):
+                 examples: list, lock: threading.Lock, max_len: int = 256):
         self.port, self.count, self.rng, self.prefixes = port, count, random.Random(seed), prefixes
+        self.max_len = max_len  # the server's max_model_len: prompt + answer must fit
         self.latencies, self.tally, self.examples, self.lock = latencies, tally, examples, lock
 
     def _count(self, key: str) -> None:
@@ -278,7 +283,7 @@ class Client:
                                                   b'{"prompt": "a", "temperature": "hot"}', b"[]",
                                                   b'{"messages": "hi"}', b'{"prompt": "a", "n": 0}'])
         text = rng.choice(self.prefixes) + " " + " ".join(rng.choice(WORDS) for _ in range(rng.randrange(1, 8)))
-        params = {"max_tokens": rng.randrange(1, 24), "temperature": rng.choice((0, 0.7, 1.0)),
+        params = {"max_tokens": rng.randrange(1, min(24, self.max_len // 4)), "temperature": rng.choice((0, 0.7, 1.0)),
                   "stream": rng.random() < 0.5}
         for name, values in (("top_p", (0.5, 0.9)), ("top_k", (5, 40)), ("seed", (1, 7, 123)),
                              ("presence_penalty", (0.5,)), ("repetition_penalty", (1.1,)), ("min_p", (0.05,))):
@@ -286,11 +291,13 @@ class Client:
                 params[name] = rng.choice(values)
         if rng.random() < 0.2:
             params["n"] = rng.choice((2, 3))
+        room = self.max_len - params["max_tokens"]  # characters, each at least one token
         if rng.random() < 0.3:
+            text = text[:max(1, room - CHAT_OVERHEAD)]
             return "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], **params}
         if rng.random() < 0.15:
             params.update(echo=True, logprobs=2, stream=False)
-        return "/v1/completions", {"prompt": text, **params}
+        return "/v1/completions", {"prompt": text[:room], **params}
 
     def run(self) -> None:
         for _ in range(self.count):
@@ -378,31 +385,39 @@ def metrics(port: int) -> dict[str, float]:
     return out
 
 
-def serve_soak(requests: int, clients: int, model: str, seed: int) -> dict:
-    """The serve soak of the module docstring; its figures. Progress goes to stderr every 30 s."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "hkv_jax.cli", "serve", "--model", model, "--port", str(port), "--max-requests", "8"]
-    log = tempfile.TemporaryFile("w+")  # the server's output (a pipe nobody reads would fill and block it)
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+def serve_soak(requests: int, clients: int, model: str, seed: int, port: int | None = None) -> dict:
+    """The serve soak of the module docstring; its figures. ``port``: soak the server already listening on
+    127.0.0.1 there (its RSS is not measured) instead of starting ``hkv serve --model model``. Progress goes
+    to stderr every 30 s."""
+    server = log = None
+    if port is None:
+        port = _free_port()
+        cmd = [sys.executable, "-m", "hkv_jax.cli", "serve", "--model", model, "--port", str(port),
+               "--max-requests", "8"]
+        log = tempfile.TemporaryFile("w+")  # the server's output (a pipe nobody reads would fill and block it)
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_healthy(server, port, log)
+        if server is not None:
+            _wait_healthy(server, port, log)
+        served = _get(port, "/v1/models")["data"][0]
         rng = random.Random(seed)
-        # Prompts of at most 32 words: with the answer, within a tiny model's 256 tokens (its tokens are bytes).
+        # Prompts of at most 32 words, cut to fit the server's max_model_len with the answer.
         prefixes = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(8, 24))) for _ in range(5)]
         latencies, tally, examples, lock = [], {}, [], threading.Lock()
         shares = [requests // clients + (i < requests % clients) for i in range(clients)]
-        clients_ = [Client(port, k, seed * 1000 + i, prefixes, latencies, tally, examples, lock)
-                    for i, k in enumerate(shares)]
+        clients_ = [Client(port, k, seed * 1000 + i, prefixes, latencies, tally, examples, lock,
+                           served["max_model_len"]) for i, k in enumerate(shares)]
         threads = [threading.Thread(target=c.run, daemon=True) for c in clients_]
         rss, start = [], time.perf_counter()
 
-        def sample():  # the server's RSS and how many answers were in, every second
+        def sample():  # the server's RSS (a server this run started) and how many answers were in, every second
             while any(t.is_alive() for t in threads):
                 with lock:
                     done = sum(tally.values())
-                rss.append((done, rss_mb(server.pid)))
+                rss.append((done, rss_mb(server.pid) if server is not None else None))
                 if len(rss) % 30 == 0:
-                    print(f"  {done:,}/{requests:,} requests, server {rss[-1][1]:.0f} MiB", file=sys.stderr,
+                    print(f"  {done:,}/{requests:,} requests"
+                          + (f", server {rss[-1][1]:.0f} MiB" if server is not None else ""), file=sys.stderr,
                           flush=True)
                 time.sleep(1)
 
@@ -416,12 +431,14 @@ def serve_soak(requests: int, clients: int, model: str, seed: int) -> dict:
             if (m["hkv_requests_running"] == 0 and m["hkv_requests_waiting"] == 0) or time.time() > deadline:
                 break
             time.sleep(0.5)
-        alive = server.poll() is None
-        quarter = max(1, len(rss) // 4)
-        first = float(np.mean([r for _, r in rss[:quarter]])) if rss else rss_mb(server.pid)
-        last = float(np.mean([r for _, r in rss[-quarter:]])) if rss else rss_mb(server.pid)
+        alive = server.poll() is None if server is not None else _get(port, "/health") == {"status": "ok"}
+        first = last = None
+        if server is not None:
+            quarter = max(1, len(rss) // 4)
+            first = float(np.mean([r for _, r in rss[:quarter]])) if rss else rss_mb(server.pid)
+            last = float(np.mean([r for _, r in rss[-quarter:]])) if rss else rss_mb(server.pid)
         lat = np.asarray(latencies) * 1000
-        return {"requests": requests, "clients": clients, "model": model,
+        return {"requests": requests, "clients": clients, "model": served["id"],
                 "leaked_blocks": int(m["hkv_kv_blocks"] - m["hkv_kv_blocks_free"]),
                 "running_at_end": int(m["hkv_requests_running"]), "waiting_at_end": int(m["hkv_requests_waiting"]),
                 "errors_5xx": tally.get("errors_5xx", 0), "incomplete": tally.get("incomplete", 0),
@@ -429,14 +446,26 @@ def serve_soak(requests: int, clients: int, model: str, seed: int) -> dict:
                 "unexpected_4xx_examples": examples[:5],
                 "latency_p50_ms": round(float(np.percentile(lat, 50)), 1) if len(lat) else None,
                 "latency_p99_ms": round(float(np.percentile(lat, 99)), 1) if len(lat) else None,
-                "rss_mb_start": round(first), "rss_mb_end": round(last), "seconds": round(seconds, 1)}
+                "rss_mb_start": None if first is None else round(first),
+                "rss_mb_end": None if last is None else round(last), "seconds": round(seconds, 1)}
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+        if server is not None:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+            log.close()
+
+
+def _get(port: int, path: str) -> dict:
+    """A GET of ``path`` from the server on 127.0.0.1:``port``, as JSON."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("GET", path)
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
 
 
 def _free_port() -> int:
@@ -473,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-model", action="store_true", help="--allocator: drive the plain-Python model too")
     p.add_argument("--clients", type=int, default=8, help="--serve: concurrent clients")
     p.add_argument("--model", default="tiny-gptoss", help="--serve: the model hkv serve runs")
+    p.add_argument("--port", type=int, help="--serve: soak the server already on 127.0.0.1:PORT instead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -483,10 +513,11 @@ def main(argv: list[str] | None = None) -> int:
         out = allocator_soak(args.requests, args.slots, args.check_every, args.check_model, args.seed)
         ok = True
     else:
-        out = serve_soak(args.requests, args.clients, args.model, args.seed)
+        out = serve_soak(args.requests, args.clients, args.model, args.seed, args.port)
         ok = (out["leaked_blocks"] == 0 and out["errors_5xx"] == 0 and out["server_alive"]
               and out["incomplete"] == 0 and out["running_at_end"] == 0 and out["waiting_at_end"] == 0
-              and not out["outcomes"].get("unexpected_4xx") and out["rss_mb_end"] < 1.1 * out["rss_mb_start"])
+              and not out["outcomes"].get("unexpected_4xx")
+              and (out["rss_mb_end"] is None or out["rss_mb_end"] < 1.1 * out["rss_mb_start"]))
     if args.json:
         print(json.dumps(out))
     else:

@@ -1,38 +1,47 @@
 """Embed hkv-jax in your own serving loop: a tiny Flax NNX model, the engine, a streaming loop.
 
-Run: python examples/embed_loop.py
+Run: python examples/embed_loop.py [--model tiny-gemma3] [--max-new-tokens 8] [--smoke]
 """
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 from flax import nnx
 
-from hkv_jax.engine import Engine
+from hkv_jax.engine import Engine, EngineConfig, SamplingParams
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 
 
-def main() -> None:
-    # 1. Your model: any TinyLM-like NNX module with a `paged(tokens, positions, cache, metadata)` method.
-    _, hf_config = resolve_model("tiny-gptoss")
-    model = TinyLM(TinyConfig.from_hf(hf_config), nnx.Rngs(0))
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny-gemma3", help="a tiny preset (random weights)")
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--smoke", action="store_true", help="the smallest run: 4 new tokens per request")
+    args = p.parse_args(argv)
+    new_tokens = 4 if args.smoke else args.max_new_tokens
+
+    # 1. Your model: any NNX module with the hkv_jax.models.PagedModel protocol (cfg.layers, cfg.vocab_size,
+    #    paged(tokens, positions, cache, metadata)).
+    model = TinyLM(TinyConfig.from_hf(resolve_model(args.model)[1]), nnx.Rngs(0))
 
     # 2. The engine plans the KV pool from the model's layer specs (sliding + full groups share pages).
-    #    max_top_logprobs: requests may ask for up to 3 likeliest tokens per step, with log-probabilities.
-    engine = Engine(model, num_blocks=96, block_size=16, max_requests=4, max_model_len=256, token_budget=64,
-                    max_top_logprobs=3)
+    #    EngineConfig(max_top_logprobs=k) would let requests also see the k likeliest tokens of each step.
+    engine = Engine(model, EngineConfig(num_blocks=96, block_size=16, max_requests=4, max_model_len=256,
+                                        token_budget=64))
     print("KV cache groups:", [f"{g.spec.kind} x{len(g.layer_names)}" for g in engine.kv_cache_config.groups])
 
-    # 3. Your requests; here they share a prefix, so the later ones hit the prefix cache. Each may sample
-    #    its own way (the engine's default is greedy).
+    # 3. Your requests; here they share a prefix, so the later ones hit the prefix cache. Each samples its
+    #    own way (SamplingParams; the default is greedy).
     rng = np.random.default_rng(0)
     prefix = rng.integers(0, 256, 48).tolist()
-    ids = [engine.add_request(prefix + rng.integers(0, 256, tail).tolist(), max_new_tokens=8)
+    ids = [engine.add_request(prefix + rng.integers(0, 256, tail).tolist(), SamplingParams(max_new_tokens=new_tokens))
            for tail in (8, 20, 5)]
     # With a seed, its tokens do not depend on the batch it lands in: rerun it anywhere, get the same.
-    sampled = engine.add_request(prefix + [1, 2, 3], max_new_tokens=8, temperature=0.8, top_p=0.9, seed=7,
-                                 logprobs=True, top_logprobs=3)
+    sampled = engine.add_request(prefix + [1, 2, 3], SamplingParams(
+        max_new_tokens=new_tokens, temperature=0.8, top_p=0.9, seed=7, logprobs=True))
 
     # 4. Your loop: one jitted program per step; the host gets back the sampled tokens only. Here the
     #    client of the second request goes away after its third token: abort it, its blocks come free.
@@ -50,9 +59,9 @@ def main() -> None:
               f"{r.cache_hit} tokens; first token after {ttft:.0f} ms)")
         if r.logprobs is not None:
             print(f"  log-probabilities of its tokens: {[round(x, 2) for x in r.logprobs]}")
-            print(f"  the 3 likeliest at its first token: {[(t, round(x, 2)) for t, x in r.top_logprobs[0]]}")
     s = engine.stats
-    print(f"{s.steps} steps, {s.host_to_device_bytes} bytes host->device, {s.device_to_host} reads back")
+    print(f"{s.steps} steps, {s.host_to_device_bytes} bytes host->device, {s.device_to_host} reads back; "
+          f"KV pool after: {engine.kv_usage()}")
 
 
 if __name__ == "__main__":

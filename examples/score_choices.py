@@ -5,7 +5,8 @@ tokens whose ``text_offset`` lies past the context), and it is greedy when each 
 likeliest at its position. The choice with the highest log-likelihood is the model's answer.
 
 Run: ``hkv serve --model gemma-3-270m`` in one shell, then ``python examples/score_choices.py``
-(``--url``, ``--api-key``, ``--json``). It needs nothing but the standard library.
+(``--url``, ``--api-key``, ``--json``, ``--smoke``: the first two questions). It needs nothing but the
+standard library.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import os
 import urllib.request
 
+NEEDS_SERVER = True  # tests/test_examples.py runs it against a server of a tiny model (``--url``)
 # (context, choices, the right choice's index)
 QUESTIONS = [
     ("The capital of France is", [" Paris", " London", " Berlin", " Madrid"], 0),
@@ -47,16 +49,18 @@ def score(url: str, contexts_and_continuations: list[tuple[str, str]], api_key: 
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
     p.add_argument("--api-key", default=os.environ.get("HKV_API_KEY"), help="its API key, if it has one")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
-    args = p.parse_args()
-    pairs = [(context, choice) for context, choices, _ in QUESTIONS for choice in choices]
+    p.add_argument("--smoke", action="store_true", help="the smallest run: the first two questions")
+    args = p.parse_args(argv)
+    questions = QUESTIONS[:2] if args.smoke else QUESTIONS
+    pairs = [(context, choice) for context, choices, _ in questions for choice in choices]
     scores = iter(score(args.url, pairs, args.api_key))
     results, right = [], 0
-    for context, choices, answer in QUESTIONS:
+    for context, choices, answer in questions:
         scored = [next(scores) for _ in choices]
         pick = max(range(len(choices)), key=lambda i: scored[i][0])
         right += pick == answer
@@ -66,9 +70,9 @@ def main() -> int:
             row = ", ".join(f"{c!r} {s:.2f}{' (greedy)' if g else ''}" for c, (s, g) in zip(choices, scored))
             print(f"{context!r}: {row} -> {choices[pick]!r}{'' if pick == answer else ' (wrong)'}")
     if args.json:
-        print(json.dumps({"results": results, "right": right, "questions": len(QUESTIONS)}))
+        print(json.dumps({"results": results, "right": right, "questions": len(questions)}))
     else:
-        print(f"{right}/{len(QUESTIONS)} right")
+        print(f"{right}/{len(questions)} right")
     return 0
 
 

@@ -69,6 +69,7 @@ def pytest_collection_modifyitems(config, items):
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from hkv_jax.demo import DemoConfig, build_engine  # noqa: E402
 from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,16 +79,103 @@ TRACES = sorted(p for p in TRACE_DIR.glob("*.json") if not p.name.endswith(".exp
 COMPARE = ROOT / "tools" / "compare_replay.py"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _free_compiled_programs():
-    """Drop every compiled program after each test module. A worker that keeps them all runs out of memory
-    mappings late in the suite (XLA:CPU maps each program's code; ``vm.max_map_count`` is 65530): mmap then
-    fails anywhere ("Failed to materialize symbols", ``MemoryError``, a shared object that cannot map).
-    Tests share compiled programs within a module only (their xdist groups are per module)."""
-    yield
+def _program_sharing(item) -> str:
+    """Which tests may share compiled programs: those of one xdist group (one worker runs them in a row),
+    else those of one module."""
+    group = item.get_closest_marker("xdist_group")
+    return f"group {group.args[0]}" if group else item.nodeid.split("::")[0]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Drop every compiled program when the next test shares none with this one. A worker that keeps them
+    all runs out of memory mappings late in the suite (XLA:CPU maps each program's code;
+    ``vm.max_map_count`` is 65530): mmap then fails anywhere ("Failed to materialize symbols",
+    ``MemoryError``, a shared object that cannot map)."""
+    if nextitem is None or _program_sharing(item) != _program_sharing(nextitem):
+        import jax
+
+        jax.clear_caches()
+
+
+# The tests' ``hkv serve``: tiny-gptoss on byte tokens, in this process. test_serve.py, the serve soak
+# (test_benchmarks.py) and the client snippets and examples (test_examples.py) run in one xdist group
+# ("serve") against servers of these sizes, so their programs compile once.
+SERVE_CFG = DemoConfig(model="tiny-gptoss", num_blocks=64, max_model_len=96, max_requests=4, token_budget=32)
+SERVE_OPTIONS = {"max_top_logprobs": 2, "max_logit_bias": 2}
+
+
+def start_test_server(api_key: str | None = None):
+    """A started ``CompletionServer`` of ``SERVE_CFG`` on a free loopback port; its ``url`` set."""
+    from hkv_jax.models.tokenizer import ByteCodec
+    from hkv_jax.serve import CompletionServer
+
+    engine, _ = build_engine(SERVE_CFG, **SERVE_OPTIONS)
+    served = CompletionServer(engine, ByteCodec(), SERVE_CFG.model, api_key=api_key)
+    host, port = served.start("127.0.0.1", 0)
+    served.url = f"http://{host}:{port}"
+    return served
+
+
+# The compile report: seconds each test spent tracing, lowering and compiling with XLA in its own process
+# (jax.monitoring's compile events), sent to the controller as user properties and summed per module at the
+# end. Subprocesses' compiles count as run time.
+_COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/jaxpr_trace_duration")
+_compile_now = {"seconds": 0.0, "programs": 0}
+
+
+def _on_compile_event(event: str, duration: float, **_) -> None:
+    if event in _COMPILE_EVENTS:
+        _compile_now["seconds"] += duration
+        _compile_now["programs"] += event == _COMPILE_EVENTS[0]
+
+
+_MODULES: dict = {}  # module -> [tests, seconds, compile seconds, programs compiled]
+
+
+def pytest_configure(config):
     import jax
 
-    jax.clear_caches()
+    jax.monitoring.register_event_duration_secs_listener(_on_compile_event)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.hkv_compile_start = dict(_compile_now)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown" and hasattr(item, "hkv_compile_start"):
+        start = item.hkv_compile_start
+        outcome.get_result().user_properties.append(
+            ("compile", (_compile_now["seconds"] - start["seconds"], _compile_now["programs"] - start["programs"])))
+
+
+def pytest_runtest_logreport(report):
+    """Sum each test's time and compiles per module (in the controller, or in the one process of ``-n 0``)."""
+    row = _MODULES.setdefault(report.nodeid.split("::")[0], [0, 0.0, 0.0, 0])
+    row[0] += report.when == "call"
+    row[1] += report.duration
+    for name, value in report.user_properties:
+        if name == "compile" and report.when == "teardown":
+            row[2] += value[0]
+            row[3] += value[1]
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Per module: tests, wall seconds (setup, call and teardown), compile seconds, programs compiled."""
+    if not _MODULES or hasattr(terminalreporter.config, "workerinput"):
+        return
+    rows = sorted(_MODULES.items(), key=lambda kv: -kv[1][1])
+    terminalreporter.write_sep("=", "time and XLA compiles per module (in-process compiles only)")
+    terminalreporter.write_line(f"{'module':40s} {'tests':>5s} {'seconds':>8s} {'compile s':>9s} {'programs':>8s}")
+    for module, (tests, seconds, compile_s, programs) in rows:
+        terminalreporter.write_line(f"{module:40s} {tests:5d} {seconds:8.1f} {compile_s:9.1f} {programs:8d}")
+    total = [sum(r[i] for _, r in rows) for i in range(4)]
+    terminalreporter.write_line(f"{'total':40s} {total[0]:5d} {total[1]:8.1f} {total[2]:9.1f} {total[3]:8d}")
 
 
 def load_trace(path: Path) -> tuple[dict, dict]:
