@@ -44,17 +44,18 @@ def _preload_no_jit_eh_frames() -> None:
 
 _preload_no_jit_eh_frames()
 
-# The longest tests (or xdist groups), longest first: 200, 120, 40-60, 55, 45, 30 and 25-35 s on 2 cores (AMD EPYC).
-# Sent to the workers first (``--no-loadscope-reorder`` keeps this order), so that the suite does not end
-# with one worker on a long test while the other core idles.
+# The longest tests (or xdist groups), longest first (a clean-clone run on 2 cores, AMD EPYC: 560, 300, about
+# 350 s for the serve group, 140, 130, 120 and 120 s). Sent to the workers first (``--no-loadscope-reorder``
+# keeps this order), so that the suite does not end with one worker on a long test while the other idles.
 LONGEST_FIRST = (
     "test_gemma3.py::test_engine_equals_transformers",
     "test_sharding.py::test_sharded_engine",
-    "test_engine_paths.py::",
-    "test_benchmarks.py::test_engine_benchmark",
+    "test_examples.py::",  # the serve group: test_examples.py, then test_serve.py
     "test_pymodel_properties.py::",
-    "test_cli.py::test_demo_serves",
     "test_engine.py::test_engine_generates",
+    "test_engine_paths.py::",
+    "test_cli.py::test_demo_serves",
+    "test_benchmarks.py::test_engine_benchmark",
 )
 
 
