@@ -7,7 +7,8 @@ written, so that an API change cannot break what a new user meets first.
   the same page, never one of another page. A block that talks to ``http://127.0.0.1:8000`` talks to the
   in-process server instead (the only change made to a block).
 - Examples and pages that name ``--xla_force_host_platform_device_count=N`` (a mesh needs the host devices
-  before jax starts) run together in one process with that flag (``python tests/test_examples.py N PATH...``),
+  before jax starts) run together in one process with that flag in ``XLA_FLAGS``
+  (``python tests/test_examples.py PATH...``),
   the others in the worker's own process.
 
 New examples and pages are picked up by the globs below. The examples and the README and engine pages build
