@@ -13,6 +13,30 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("HKV_COMPILATION_CACHE", "")
 
 
+def _run_compilation_cache() -> None:
+    """With ``HKV_TEST_COMPILATION_CACHE=1``: one persistent compilation cache for the whole run. The
+    controller makes an empty directory, and the workers and every subprocess inherit it
+    (``JAX_COMPILATION_CACHE_DIR``), so a program that a test compiled is loaded, not compiled again, by a
+    later module (after ``jax.clear_caches``), by the other worker and by the CLI, example and benchmark
+    subprocesses. Every program goes in (no minimum compile time); the report counts hits, misses and the
+    seconds they saved. Off by default: a clean run hit on a quarter of its programs, but those are the
+    small ones (each engine's step programs are its own), and it saved no wall time
+    (``docs/testing.md``)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if os.environ.get("HKV_TEST_COMPILATION_CACHE") != "1" or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return  # off, or a worker (the controller's directory is inherited), or the user's own cache
+    path = tempfile.mkdtemp(prefix="hkv_jax_test_xla_")
+    atexit.register(shutil.rmtree, path, True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=path, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+_run_compilation_cache()
+
+
 def _preload_no_jit_eh_frames() -> None:
     """Preload ``native/no_jit_eh_frames.c`` (why: its comment) into the xdist workers and every subprocess.
 
@@ -123,22 +147,33 @@ def start_test_server(api_key: str | None = None):
 # end. Subprocesses' compiles count as run time.
 _COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/jaxpr_trace_duration")
-_compile_now = {"seconds": 0.0, "programs": 0}
+_CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses"}
+_SAVED_EVENT = "/jax/compilation_cache/compile_time_saved_sec"  # a hit's compile time less its load time
+_COUNTS = ("seconds", "programs", "hits", "misses", "saved")
+_compile_now = dict.fromkeys(_COUNTS, 0)
 
 
 def _on_compile_event(event: str, duration: float, **_) -> None:
     if event in _COMPILE_EVENTS:
         _compile_now["seconds"] += duration
         _compile_now["programs"] += event == _COMPILE_EVENTS[0]
+    elif event == _SAVED_EVENT:
+        _compile_now["saved"] += duration
 
 
-_MODULES: dict = {}  # module -> [tests, seconds, compile seconds, programs compiled]
+def _on_cache_event(event: str, **_) -> None:
+    if event in _CACHE_EVENTS:
+        _compile_now[_CACHE_EVENTS[event]] += 1
+
+
+_MODULES: dict = {}  # module -> [tests, seconds, then _COUNTS]
 
 
 def pytest_configure(config):
     import jax
 
     jax.monitoring.register_event_duration_secs_listener(_on_compile_event)
+    jax.monitoring.register_event_listener(_on_cache_event)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -152,31 +187,35 @@ def pytest_runtest_makereport(item, call):
     if call.when == "teardown" and hasattr(item, "hkv_compile_start"):
         start = item.hkv_compile_start
         outcome.get_result().user_properties.append(
-            ("compile", (_compile_now["seconds"] - start["seconds"], _compile_now["programs"] - start["programs"])))
+            ("compile", tuple(_compile_now[k] - start[k] for k in _COUNTS)))
 
 
 def pytest_runtest_logreport(report):
     """Sum each test's time and compiles per module (in the controller, or in the one process of ``-n 0``)."""
-    row = _MODULES.setdefault(report.nodeid.split("::")[0], [0, 0.0, 0.0, 0])
+    row = _MODULES.setdefault(report.nodeid.split("::")[0], [0, 0.0] + [0] * len(_COUNTS))
     row[0] += report.when == "call"
     row[1] += report.duration
     for name, value in report.user_properties:
         if name == "compile" and report.when == "teardown":
-            row[2] += value[0]
-            row[3] += value[1]
+            for i, v in enumerate(value):
+                row[2 + i] += v
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Per module: tests, wall seconds (setup, call and teardown), compile seconds, programs compiled."""
+    """Per module: tests, wall seconds (setup, call and teardown), compile seconds, programs compiled, and
+    the run's persistent compilation cache's hits, misses and seconds saved (what the hits took to compile
+    less what loading them took)."""
     if not _MODULES or hasattr(terminalreporter.config, "workerinput"):
         return
     rows = sorted(_MODULES.items(), key=lambda kv: -kv[1][1])
+    cache = bool(os.environ.get("JAX_COMPILATION_CACHE_DIR"))  # the run's cache columns, when it has one
     terminalreporter.write_sep("=", "time and XLA compiles per module (in-process compiles only)")
-    terminalreporter.write_line(f"{'module':40s} {'tests':>5s} {'seconds':>8s} {'compile s':>9s} {'programs':>8s}")
-    for module, (tests, seconds, compile_s, programs) in rows:
-        terminalreporter.write_line(f"{module:40s} {tests:5d} {seconds:8.1f} {compile_s:9.1f} {programs:8d}")
-    total = [sum(r[i] for _, r in rows) for i in range(4)]
-    terminalreporter.write_line(f"{'total':40s} {total[0]:5d} {total[1]:8.1f} {total[2]:9.1f} {total[3]:8d}")
+    terminalreporter.write_line(f"{'module':40s} {'tests':>5s} {'seconds':>8s} {'compile s':>9s} {'programs':>8s}"
+                                + (f" {'hits':>6s} {'misses':>6s} {'saved s':>7s}" if cache else ""))
+    for module, row in rows + [("total", [sum(r[i] for _, r in rows) for i in range(len(rows[0][1]))])]:
+        tests, seconds, compile_s, programs, hits, misses, saved = row
+        terminalreporter.write_line(f"{module:40s} {tests:5d} {seconds:8.1f} {compile_s:9.1f} {programs:8d}"
+                                    + (f" {hits:6d} {misses:6d} {saved:7.1f}" if cache else ""))
 
 
 def load_trace(path: Path) -> tuple[dict, dict]:

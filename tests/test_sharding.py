@@ -114,6 +114,7 @@ def test_sharded_engine_equals_one_device_in_one_process_and_across_two(tmp_path
                  "--xla_dump_hlo_module_re=jit_step")
         env = dict(os.environ, XLA_FLAGS=flags,
                    PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a program loaded from the run's cache is not dumped
         return subprocess.Popen([sys.executable, *map(str, args)], env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

@@ -5,9 +5,10 @@ type agrees, which works for any number of attention types). ``schedule`` is
 vLLM's ``get_computed_blocks`` (for a waiting request) plus ``allocate_slots``
 and ``cache_blocks``: all or nothing across groups (a refused call changes
 nothing, except the out-of-window blocks a running request releases first, as
-``docs/SEMANTICS.md`` says). Groups are unrolled in Python (their rules are
-static, ``managers.py``); blocks and tables are arrays. ``schedule_batch`` runs
-it request after request: the exact path every batched step is tested against.
+``docs/SEMANTICS.md`` says). Groups are visited in order by ``for_each_group``
+(their rules are static, ``managers.py``; a run of groups with the same rules
+is one loop); blocks and tables are arrays. ``schedule_batch`` runs it request
+after request: the exact path every batched step is tested against.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 from hkv_jax.allocator import block_pool, prefix_cache
 from hkv_jax.allocator.managers import allocation, hit_blocks, release_row, skipped_tokens
 from hkv_jax.allocator.requests import append_batch
-from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout
+from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout, for_each_group
 from hkv_jax.planner import cdiv
 from hkv_jax.spec import FullAttentionSpec
 
@@ -47,7 +48,7 @@ def group_blocks(layout: Layout, per_hash: jax.Array) -> jax.Array:
 
 def group_hashes(layout: Layout, hashes: jax.Array, g: int, n: int) -> jax.Array:
     """``u32[..., n, 4]``: the hash that keys each of group ``g``'s first ``n`` blocks, from the request's
-    hashes ``u32[..., H, 4]`` (zeros past its last hashed block)."""
+    hashes ``u32[..., H, 4]`` (zeros past its last hashed block). It depends on ``g``'s block size only."""
     got = hashes[..., jnp.asarray(layout.key_index(g, n)), :]
     return jnp.where(jnp.asarray(layout.key_valid(g, n))[:, None], got, 0)
 
@@ -147,20 +148,21 @@ def cached_this_step(layout: Layout, state: AllocatorState, blocks: jax.Array) -
     return state.step_cached.at[at].get(mode="fill", fill_value=False)
 
 
-def _set_row(state: AllocatorState, slot, g: int, row, length=None, **counters) -> AllocatorState:
-    """Replace request ``slot``'s table of group ``g`` (and its group ``counters``)."""
+def _set_row(state: AllocatorState, slot, g, row, length=None, **counters) -> AllocatorState:
+    """Replace request ``slot``'s table of group ``g`` (an int or traced; and its group ``counters``)."""
     if length is not None:
         counters["table_len"] = length
     state = replace(state, tables=state.tables.at[slot, g].set(row))
     return state.with_counters(slot, g, **counters) if counters else state
 
 
-def _remove_skipped(layout: Layout, state: AllocatorState, slot, g: int, computed) -> AllocatorState:
-    """Release the blocks group ``g`` no longer needs after ``computed`` tokens (replaced by the null block)."""
-    row, retired, released = release_row(layout, g, state.tables[slot, g], state.table_len[slot, g],
+def _remove_skipped(layout: Layout, state: AllocatorState, slot, rule: int, g, computed) -> AllocatorState:
+    """Release the blocks group ``g`` (whose rules are group ``rule``'s: ``for_each_group``) no longer needs
+    after ``computed`` tokens (replaced by the null block)."""
+    row, retired, released = release_row(layout, rule, state.tables[slot, g], state.table_len[slot, g],
                                          state.retired[slot, g], state.last_state[slot, g], computed)
     bp = block_pool.free_blocks(
-        block_pool.free_blocks(state.block_pool, released[0], front=layout.evicts_early(g)), released[1]
+        block_pool.free_blocks(state.block_pool, released[0], front=layout.evicts_early(rule)), released[1]
     )
     return _set_row(replace(state, block_pool=bp), slot, g, row, retired=retired)
 
@@ -175,18 +177,20 @@ def _cache_filled(layout: Layout, st: AllocatorState, slot, cached) -> Allocator
     """Enter every block of request ``slot`` that its first ``cached`` tokens (``cacheable_tokens``) fill and
     that is not cached yet in the prefix cache (dense retention)."""
     M, idx = layout.max_blocks, jnp.arange(layout.max_blocks)
-    for g in range(layout.num_groups):
-        row, before, nfull = st.tables[slot, g], st.num_cached[slot, g], cached // layout.block_sizes[g]
-        row = jnp.where(layout.reachable(g, M), row, 0)
+
+    def one(rule, g, st):
+        row, before, nfull = st.tables[slot, g], st.num_cached[slot, g], cached // layout.block_sizes[rule]
+        row = jnp.where(layout.reachable(rule, M), row, 0)
         new = jnp.where((idx >= before) & (idx < nfull), row, 0)
-        bp = block_pool.cache_blocks(st.block_pool, row, group_hashes(layout, st.hashes[slot], g, M), jnp.int32(g),
-                                     before, jnp.maximum(before, nfull))
+        bp = block_pool.cache_blocks(st.block_pool, row, group_hashes(layout, st.hashes[slot], rule, M),
+                                     jnp.asarray(g, jnp.int32), before, jnp.maximum(before, nfull))
         step_cached = st.step_cached
-        if layout.is_mamba(g):
+        if layout.is_mamba(rule):
             step_cached = step_cached.at[layout.step_cached_index(bp.prefix_cache, new)].set(True, mode="drop")
-        st = replace(st, block_pool=bp, step_cached=step_cached).with_counters(
+        return replace(st, block_pool=bp, step_cached=step_cached).with_counters(
             slot, g, num_cached=jnp.maximum(before, nfull))
-    return st
+
+    return for_each_group(layout, one, st)
 
 
 def accept_drafts(layout: Layout, state: AllocatorState, slots, tokens, emitted, mask=None) -> AllocatorState:
@@ -240,51 +244,55 @@ def schedule(layout: Layout, state: AllocatorState, slot, num_tokens,
     hits_m = fit_width(hits, M)  # i32[G, M]
     C, T = state.num_computed[slot], state.num_tokens[slot]
     n, computed, main, need, cached = token_counts(layout, C, T, h, num_tokens, lookahead)
-    nhit_g = [h // bs for bs in layout.block_sizes]
     idx = jnp.arange(M)
 
-    st = state
-    for g in range(G):
-        st = _remove_skipped(layout, st, slot, g, computed)
+    st = for_each_group(layout, lambda rule, g, st: _remove_skipped(layout, st, slot, rule, g, computed), state)
 
     # Blocks the call takes from the free queue: new ones, and hit blocks that sit in the queue.
     ref = st.block_pool.free_queue.ref_count
-    total = jnp.int32(0)
-    impossible = jnp.bool_(False)
-    for g in range(G):
-        L, bs, nhit = st.table_len[slot, g], layout.block_sizes[g], nhit_g[g]
-        hg = hits_m[g]
+
+    def count(rule, g, carry):
+        total, impossible = carry
+        L, bs = st.table_len[slot, g], layout.block_sizes[rule]
+        nhit, hg = h // bs, hits_m[g]
         free_hit = (hg > 0) & (ref[hg] == 0) & (idx < nhit)
-        if layout.is_mamba(g):
+        if layout.is_mamba(rule):
             last = hg[jnp.maximum(nhit - 1, 0)]
             impossible |= waiting & (nhit > 0) & cached_this_step(layout, st, last)
-            total += allocation(layout, g, nhit + L, main, need, -1)[0] + jnp.sum(free_hit, dtype=jnp.int32)
+            total += allocation(layout, rule, nhit + L, main, need, -1)[0] + jnp.sum(free_hit, dtype=jnp.int32)
         else:
             required = cdiv(need, bs)
-            skipped = skipped_tokens(layout.groups[g].spec, computed) // bs
+            skipped = skipped_tokens(layout.groups[rule].spec, computed) // bs
             wait_cnt = jnp.maximum(required - jnp.maximum(skipped, nhit + L), 0) + jnp.sum(
                 free_hit & (idx >= jnp.maximum(0, skipped - L)), dtype=jnp.int32)
             total += jnp.where(waiting, wait_cnt, jnp.maximum(required - L, 0))
+        return total, impossible
+
+    total, impossible = for_each_group(layout, count, (jnp.int32(0), jnp.bool_(False)))
     ok = ~impossible & (total <= st.block_pool.free_queue.num_free) & (n > 0)
 
+    def take_hits(rule, g, st):
+        nhit = h // layout.block_sizes[rule]
+        skipped = skipped_tokens(layout.groups[rule].spec, computed) // layout.block_sizes[rule]
+        row = jnp.where((idx >= skipped) & (idx < nhit), hits_m[g], 0)
+        st = replace(st, block_pool=block_pool.touch(st.block_pool, jnp.where(waiting, row, 0)))
+        return _set_row(st, slot, g, jnp.where(waiting, row, st.tables[slot, g]),
+                        jnp.where(waiting, nhit, st.table_len[slot, g]),
+                        num_cached=jnp.where(waiting, nhit, st.num_cached[slot, g]))
+
+    def take_new(rule, g, st):
+        row = st.tables[slot, g]
+        cnt, first, length, last = allocation(layout, rule, st.table_len[slot, g], main, need,
+                                              st.last_state[slot, g])
+        bp, ids = _pop(st.block_pool, cnt, 1 if layout.is_mamba(rule) else M)
+        row = row.at[jnp.where(idx < cnt, first + idx, M)].set(ids[jnp.minimum(idx, ids.shape[0] - 1)],
+                                                               mode="drop")
+        return _set_row(replace(st, block_pool=bp), slot, g, row, length, last_state=last)
+
     def commit(st: AllocatorState) -> tuple[AllocatorState, jax.Array]:
-        for g in range(G):
-            nhit = nhit_g[g]
-            skipped = skipped_tokens(layout.groups[g].spec, computed) // layout.block_sizes[g]
-            row = jnp.where((idx >= skipped) & (idx < nhit), hits_m[g], 0)
-            st = replace(st, block_pool=block_pool.touch(st.block_pool, jnp.where(waiting, row, 0)))
-            st = _set_row(st, slot, g, jnp.where(waiting, row, st.tables[slot, g]),
-                          jnp.where(waiting, nhit, st.table_len[slot, g]),
-                          num_cached=jnp.where(waiting, nhit, st.num_cached[slot, g]))
+        st = for_each_group(layout, take_hits, st)
         first_new = st.table_len[slot]
-        for g in range(G):
-            row = st.tables[slot, g]
-            cnt, first, length, last = allocation(layout, g, st.table_len[slot, g], main, need,
-                                                  st.last_state[slot, g])
-            bp, ids = _pop(st.block_pool, cnt, 1 if layout.is_mamba(g) else M)
-            row = row.at[jnp.where(idx < cnt, first + idx, M)].set(ids[jnp.minimum(idx, ids.shape[0] - 1)],
-                                                                   mode="drop")
-            st = _set_row(replace(st, block_pool=bp), slot, g, row, length, last_state=last)
+        st = for_each_group(layout, take_new, st)
         st = _cache_filled(layout, st, slot, cached)
         st = st.with_counters(slot, status=RUNNING, num_computed=C + h + n)
         return st, first_new

@@ -18,7 +18,7 @@ import numpy as np
 from hkv_jax.allocator import block_pool, free_queue, prefix_cache
 from hkv_jax.allocator.hashing import SEED, block_hashes, hash_one_block
 from hkv_jax.allocator.managers import eviction_order
-from hkv_jax.allocator.state import EMPTY, RUNNING, WAITING, AllocatorState, Layout
+from hkv_jax.allocator.state import EMPTY, RUNNING, WAITING, AllocatorState, Layout, for_each_group
 
 # A numpy constant, not a device array: importing the package must not start a backend (that would have
 # to wait for ``jax.distributed.initialize``).
@@ -130,13 +130,15 @@ def append_batch(layout: Layout, state: AllocatorState, slots, tokens, mask=None
 def _release(layout: Layout, state: AllocatorState, slot, **counters) -> AllocatorState:
     """Free every block of ``slot``: group by group, each table last entry first (leading nulls skipped);
     its tables emptied and its request ``counters`` set."""
-    bp = state.block_pool
     M = layout.max_blocks
     idx = jnp.arange(M)
-    for g in range(layout.num_groups):
+
+    def one(_, g, bp):
         row, L = state.tables[slot, g], state.table_len[slot, g]
         first = jnp.min(jnp.where((idx < L) & (row != 0), idx, M))
-        bp = block_pool.free_blocks(bp, eviction_order(row, first, L))
+        return block_pool.free_blocks(bp, eviction_order(row, first, L))
+
+    bp = for_each_group(layout, one, state.block_pool)
     return _clear_tables(replace(state, block_pool=bp), slot, **counters)
 
 

@@ -61,17 +61,18 @@ def counter(counts: jax.Array, name: str) -> jax.Array:
 def set_counters(counts: jax.Array, at, group: int | None = None, **values) -> jax.Array:
     """``counts`` with the named counters of rows ``at`` (a slot, ``i32[B]`` slots or a slice) set,
     as one row scatter. Values broadcast against the rows: a request counter's to ``at``'s shape, a
-    group counter's to ``at``'s shape + ``[G]``, or to ``at``'s shape alone with ``group`` (static: set
-    only that group's column)."""
+    group counter's to ``at``'s shape + ``[G]``, or to ``at``'s shape alone with ``group`` (set only that
+    group's column; a Python int or a traced index, as in ``for_each_group``)."""
     G = _groups_of(counts)
     rows = counts[at]
     for name, value in values.items():
         start, width = _columns(name, G)
         value = jnp.asarray(value, jnp.int32)
-        if name in REQUEST_COUNTERS or group is not None:  # one column
-            start += 0 if name in REQUEST_COUNTERS else group
-            width, value = 1, value[..., None]
-        elif value.ndim not in (0, rows.ndim):
+        if name in REQUEST_COUNTERS or group is not None:  # one column (``group`` may be traced)
+            col = start + (0 if name in REQUEST_COUNTERS else group)
+            rows = rows.at[..., col].set(jnp.broadcast_to(value, rows.shape[:-1]))
+            continue
+        if value.ndim not in (0, rows.ndim):
             # An i32[B] value would broadcast along the groups axis (silently, when B == G).
             raise ValueError(f"{name}: give one value per group (shape [..., G] or [..., 1]), got {value.shape}")
         cols = rows[..., start:start + width]
@@ -194,6 +195,19 @@ class Layout:
             out.append(t.swapaxes(-1, -2).reshape(*t.shape[:-2], t.shape[-2] * t.shape[-1]))  # also 0 rows
         return out
 
+    @property
+    def group_runs(self) -> tuple[tuple[int, int], ...]:
+        """Runs ``[a, b)`` of consecutive groups with the same spec and block size, hence the same rules
+        (``for_each_group``)."""
+        runs = []
+        for g, group in enumerate(self.groups):
+            first = self.groups[runs[-1][0]] if runs else None
+            if first is not None and (first.spec, first.block_size) == (group.spec, group.block_size):
+                runs[-1][1] = g + 1
+            else:
+                runs.append([g, g + 1])
+        return tuple(map(tuple, runs))
+
     def is_mamba(self, g: int) -> bool:
         """Whether group ``g`` holds Mamba states."""
         return isinstance(self.groups[g].spec, MambaSpec)
@@ -265,6 +279,20 @@ class AllocatorState:
     def with_counters(self, at, group: int | None = None, **values) -> "AllocatorState":
         """This state with the named counters of slot(s) ``at`` set (``set_counters``)."""
         return replace(self, counts=set_counters(self.counts, at, group, **values))
+
+
+def for_each_group(layout: Layout, body, carry):
+    """``carry = body(rule, g, carry)`` for every group ``g`` in order, where ``rule`` is the first group of
+    ``g``'s run (``Layout.group_runs``): ``body`` reads the group's static rules (spec, block size, window)
+    through ``rule`` and indexes arrays with ``g``. A run of several groups is one ``fori_loop`` with ``g``
+    traced, so a program holds one copy of ``body`` per run, not one per group (Gemma 3's five sliding
+    groups: one copy); a run of one passes ``g`` as a Python int."""
+    for a, b in layout.group_runs:
+        if b - a == 1:
+            carry = body(a, a, carry)
+        else:
+            carry = jax.lax.fori_loop(a, b, functools.partial(body, a), carry)
+    return carry
 
 
 @functools.partial(jax.jit, static_argnums=0)  # one dispatch instead of one per array (~70x faster on CPU)
