@@ -36,7 +36,8 @@ from hkv_jax.cache import (
 )
 from hkv_jax.planner import KVCacheConfig
 from hkv_jax.spec import AttentionSpec, ChunkedLocalSpec, SlidingWindowSpec
-from kernels_pallas.reference import AttentionParams, query_positions
+from kernels_pallas.positions import query_positions
+from kernels_pallas.reference import AttentionParams
 
 
 @jax.tree_util.register_dataclass

@@ -36,7 +36,7 @@ from flax import nnx
 from hkv_jax.attention import AttentionMetadata
 from hkv_jax.cache import KVCache, read_mamba_state, write_mamba_state
 from hkv_jax.spec import MambaSpec
-from kernels_pallas.reference import query_positions
+from kernels_pallas.positions import query_positions
 
 
 def state_blocks(cache: KVCache, layer: str, metadata: AttentionMetadata):

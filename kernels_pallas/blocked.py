@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import ragged
-from kernels_pallas.reference import AttentionParams, key_mask, query_positions
+from kernels_pallas.positions import query_positions
+from kernels_pallas.reference import AttentionParams, key_mask
 
 PREFILL_BLOCK_Q = 16
 COLUMNS = 8  # block-table columns per iteration (fewest us per layer on XLA:CPU, 1 to 256 sequences)

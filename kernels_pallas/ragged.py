@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.reference import AttentionParams, token_sequences
+from kernels_pallas.positions import token_sequences
+from kernels_pallas.reference import AttentionParams
 
 
 def cdiv(a: int, b: int) -> int:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.positions import query_positions
+
 
 @dataclass(frozen=True)
 class AttentionParams:
@@ -93,23 +95,6 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     v = jnp.where(mask[..., None, None], v, 0)  # 0 * NaN would leak stale data
     out = jnp.einsum("...kgn,...nkd->...kgd", p, v.astype(jnp.float32)) / jnp.where(denom > 0, denom, 1.0)
     return out.reshape(*q.shape[:-2], hq, d)
-
-
-def token_sequences(query_start_loc: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
-    """``(seq, valid)`` per query token: its sequence index and whether it belongs to one."""
-    t = jnp.arange(num_tokens)
-    seq = jnp.searchsorted(query_start_loc[1:], t, side="right")
-    valid = (t >= query_start_loc[0]) & (seq < query_start_loc.shape[0] - 1)
-    return jnp.minimum(seq, query_start_loc.shape[0] - 2).astype(jnp.int32), valid
-
-
-def query_positions(query_start_loc: jax.Array, seq_lens: jax.Array,
-                    num_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(seq, position, valid)`` of every query token of a ragged batch."""
-    seq, valid = token_sequences(query_start_loc, num_tokens)
-    q_len = query_start_loc[seq + 1] - query_start_loc[seq]
-    pos = seq_lens[seq] - q_len + jnp.arange(num_tokens) - query_start_loc[seq]
-    return seq, pos.astype(jnp.int32), valid
 
 
 @functools.partial(jax.jit, static_argnames=("params",))

@@ -158,3 +158,37 @@ def test_step_reports_are_read_by_name():
     assert report.tokens.tolist() == [[4, 5, 6], [7, -1, 9]] and report.clean_decodes().tolist() == [True, False]
     assert report.logprob.tolist() == [[-0.5] * 3] * 2 and report.top_logprobs.shape == (2, N, n)
     assert (report.top_logprobs == -1.25).all() and len(report.steps(slice(1))) == 1
+
+
+def _imports(module: str) -> set[str]:
+    """Every module of this project that ``module`` imports, directly or through another (read from the
+    source, not run: the package ``__init__`` files, which import everything, are not followed)."""
+    import ast
+    import importlib.util
+
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in seen or name.split(".")[0] not in ("hkv_jax", "kernels_pallas", "flax"):
+            continue
+        seen.add(name)
+        spec = importlib.util.find_spec(name)
+        if name.startswith("flax") or spec is None or spec.origin.endswith("__init__.py"):
+            continue
+        for node in ast.walk(ast.parse(open(spec.origin).read())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                todo.append(node.module)
+            elif isinstance(node, ast.Import):
+                todo.extend(a.name for a in node.names)
+    return seen
+
+
+def test_the_scheduler_imports_no_step_program_and_the_layers_no_kernel_oracle_for_positions():
+    """The scheduler is host code: it reaches neither the step program, the models nor the kernels (its
+    message to the runner, ``Changes``, lives on its own); the step, attention and recurrent layers read
+    the ragged batch's positions from ``kernels_pallas.positions``."""
+    scheduler = _imports("hkv_jax.engine.scheduler")
+    assert "hkv_jax.engine.changes" in scheduler
+    assert not {m for m in scheduler if m.startswith(("hkv_jax.engine.step", "flax", "kernels_pallas"))}, scheduler
+    for module in ("hkv_jax.engine.step", "hkv_jax.attention", "hkv_jax.recurrent"):
+        assert "kernels_pallas.positions" in _imports(module), module

@@ -19,14 +19,14 @@ from flax import nnx
 from hkv_jax.allocator import ops
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.cache import init_cache, mesh_model_size
+from hkv_jax.engine.changes import Changes, prompt_buffer, prompt_buffers
 from hkv_jax.engine.decode_batch import DecodeBatch
-from hkv_jax.engine.scheduler import SchedulerOutput, prompt_buffer, prompt_buffers
+from hkv_jax.engine.scheduler import SchedulerOutput
 from hkv_jax.engine.score import prompt_logprobs
 from hkv_jax.engine.speculative import DraftModelSpec, DraftModelStatic
 from hkv_jax.engine.stats import Stats
 from hkv_jax.engine.step import (
     SAMPLING,
-    Changes,
     EngineState,
     StepPlan,
     StepReport,

@@ -20,23 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hkv_jax.engine.changes import Changes, prompt_buffer
 from hkv_jax.engine.decode_batch import DecodeBatch
 from hkv_jax.engine.request import FinishReason, Request, RequestStatus
-from hkv_jax.engine.step import Changes
-
-# New prompts travel in a flat buffer of a power-of-two size, at least this many tokens: few shapes of
-# the (small) prepare program.
-MIN_PROMPT_BUFFER = 64
-
-
-def prompt_buffer(tokens: int) -> int:
-    """The size of the prompt buffer that carries ``tokens`` prompt tokens to the device."""
-    return max(MIN_PROMPT_BUFFER, 1 << (tokens - 1).bit_length())
-
-
-def prompt_buffers(tokens: int) -> list[int]:
-    """Every prompt-buffer size up to the one that carries ``tokens`` tokens."""
-    return [MIN_PROMPT_BUFFER << i for i in range((prompt_buffer(tokens) // MIN_PROMPT_BUFFER).bit_length())]
 
 
 @dataclass(frozen=True)

@@ -48,12 +48,13 @@ from hkv_jax.allocator.decode import DecodePath
 from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout, hash_once
 from hkv_jax.attention import make_metadata
 from hkv_jax.cache import KVCache
+from hkv_jax.engine.changes import Changes
 from hkv_jax.engine.request import may_stop
 from hkv_jax.engine.sampler import bias_logits, penalize, sample
 from hkv_jax.engine.sampling_params import KNOBS
 from hkv_jax.engine.speculative import DraftModelStatic, NgramSpec, accepted_drafts, model_drafts, ngram_drafts
 from hkv_jax.recurrent import commit_accepted
-from kernels_pallas.reference import query_positions
+from kernels_pallas.positions import query_positions
 
 
 @jax.tree_util.register_dataclass
@@ -64,24 +65,6 @@ class EngineState:
     alloc: AllocatorState
     cache: KVCache
     key: jax.Array
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class Changes:
-    """Releases and admissions of one step (``R`` request slots, ``P`` prompt tokens).
-
-    ``free, preempt: bool[R]`` per slot; ``slots: i32[R]`` admitted slots (-1: none), their prompts
-    one after another in ``prompts: i32[P]`` (``lens: i32[R]`` tokens each; the rest is padding),
-    ``salts: u32[R]`` their cache salts.
-    """
-
-    free: jax.Array
-    preempt: jax.Array
-    slots: jax.Array
-    prompts: jax.Array
-    lens: jax.Array
-    salts: jax.Array
 
 
 # Each entry's sampling in ``StepPlan.data``, after ``slots`` and ``want`` (``R`` int32 words each, float32
