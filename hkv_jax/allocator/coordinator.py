@@ -203,8 +203,9 @@ def accept_drafts(layout: Layout, state: AllocatorState, slots, tokens, emitted,
     if mask is None:
         mask = jnp.ones(slots.shape, bool)
     mask &= emitted > 0
-    for j in range(tokens.shape[1]):
-        state = append_batch(layout, state, slots, tokens[:, j], mask & (j < emitted))
+    # One traced copy of ``append_batch`` (a few hundred operations with its hashing), not one per position.
+    state = jax.lax.fori_loop(
+        0, tokens.shape[1], lambda j, st: append_batch(layout, st, slots, tokens[:, j], mask & (j < emitted)), state)
     at = jnp.where(mask, slots, layout.max_requests)
     computed = state.num_computed[slots] + emitted - 1
     state = state.with_counters(at, num_computed=computed)
