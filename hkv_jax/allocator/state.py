@@ -91,6 +91,12 @@ def hash_once(self) -> int:
     return h
 
 
+def _rules(group) -> tuple:
+    """What decides a group's allocation and hit rules: its spec and block size (``Layout.spec_groups``,
+    ``Layout.group_runs``)."""
+    return group.spec, group.block_size
+
+
 @dataclass(frozen=True)
 class Layout:
     """Static shapes and per-group rules of one allocator (hashable: usable as a jit static argument)."""
@@ -122,7 +128,7 @@ class Layout:
         spec_groups: list[list[int]] = []
         for g in groups:
             for sg in spec_groups:
-                if groups[sg[0]].spec == g.spec and groups[sg[0]].block_size == g.block_size:
+                if _rules(groups[sg[0]]) == _rules(g):
                     sg.append(g.group_id)
                     break
             else:
@@ -201,8 +207,7 @@ class Layout:
         (``for_each_group``)."""
         runs = []
         for g, group in enumerate(self.groups):
-            first = self.groups[runs[-1][0]] if runs else None
-            if first is not None and (first.spec, first.block_size) == (group.spec, group.block_size):
+            if runs and _rules(self.groups[runs[-1][0]]) == _rules(group):
                 runs[-1][1] = g + 1
             else:
                 runs.append([g, g + 1])
