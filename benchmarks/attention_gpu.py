@@ -4,10 +4,13 @@ Each case: B sequences of ``context`` tokens whose pages (``page`` tokens each) 
 ids; 8 kv heads, head size 128, bf16 KV, 32 query heads. Decode: one query token per sequence.
 Prefill: the last ``--prefill-chunk`` tokens of each sequence are queries (a chunked-prefill step).
 Implementations: ``ours`` (``kernels_pallas.paged_attention``, ``impl=auto``: Mosaic GPU on Hopper),
-``triton`` (the portable Pallas kernel), ``xla`` (the jnp reference, compiled by XLA) and, for decode,
-``jax`` (``jax.experimental.pallas.ops.gpu.paged_attention``, fed its own head-major page layout). Every
+``mosaic_gpu`` (that kernel, its context split as ``auto`` splits it; the rows say into how many runs),
+``mosaic_gpu_nosplit`` (the same kernel without the split), ``triton`` (the portable Pallas kernel),
+``xla`` (the jnp reference, compiled by XLA) and, for decode, ``jax``
+(``jax.experimental.pallas.ops.gpu.paged_attention``, fed its own head-major page layout). Every
 implementation is first checked against the reference on a small case. Bytes = K and V of every page a
-sequence reads, plus q and out; bandwidth = bytes / median time; peak from the device's HBM spec.
+sequence reads, plus q and out; bandwidth = bytes / median time; peak from the device's HBM spec. Prefill
+rows also give TFLOP/s: 4 x head size x query heads per (query, visible key) pair, over the median time.
 
 ``--smoke`` runs tiny cases on CPU (Pallas in interpret mode; times are meaningless there) so that CI
 keeps the script working. Run: ``python benchmarks/attention_gpu.py [--batch 1,8,64,256]
@@ -27,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels_pallas
-from kernels_pallas import reference
+from kernels_pallas import paged_attention_mgpu, reference
 from kernels_pallas.reference import AttentionParams
 
 KV_HEADS, HEAD, Q_HEADS, DTYPE = 8, 128, 32, jnp.bfloat16
@@ -72,6 +75,8 @@ def implementations(mode: str, smoke: bool):
              "xla": lambda *a: reference.paged_attention(*a, params)}
     if smoke or kernels_pallas.default_impl() == "mosaic_gpu":
         impls["mosaic_gpu"] = paged("mosaic_gpu")
+        impls["mosaic_gpu_nosplit"] = lambda *a: paged_attention_mgpu.paged_attention(*a, params, interpret=smoke,
+                                                                                      splits=1)
     if mode == "decode":
         impls["jax"] = jax_paged_attention(smoke)
     return impls
@@ -103,6 +108,20 @@ def jax_blocking(pages_per_seq: int, page: int) -> tuple[int, int]:
         per_block //= 2
     blocks = pages_per_seq // per_block
     return per_block, max(d for d in range(1, 17) if blocks % d == 0)
+
+
+def mosaic_splits(batch: int, q_per_seq: int, context: int, page: int) -> int:
+    """The runs ``auto`` splits each work item's keys into for a case (``paged_attention_mgpu``)."""
+    block_q = paged_attention_mgpu.ROWS // (Q_HEADS // KV_HEADS)
+    tokens = batch * q_per_seq
+    items = -(-tokens // block_q) + batch
+    return paged_attention_mgpu.default_splits(min(items, tokens), KV_HEADS, -(-context // page) * page)
+
+
+def prefill_flops(batch: int, context: int, q_per_seq: int) -> int:
+    """Multiply-adds x 2 of QK^T and PV for the last ``q_per_seq`` tokens of each sequence (causal)."""
+    pairs = q_per_seq * (context - q_per_seq) + q_per_seq * (q_per_seq + 1) // 2
+    return 4 * batch * pairs * Q_HEADS * HEAD
 
 
 def timed(fn, args, repeats: int) -> float:
@@ -176,10 +195,16 @@ def main(argv=None) -> int:
                                "time_us": round(us, 1), "bytes": nbytes, "bandwidth_gbs": round(bw / 1e9, 1),
                                "peak_fraction": round(bw / peak, 3) if peak else None,
                                "device": dev.device_kind}
+                        if name == "mosaic_gpu" or (name == "ours" and kernels_pallas.default_impl() == name):
+                            row["splits"] = mosaic_splits(batch, q_per, context, page)
+                        if mode == "prefill":
+                            row["tflops"] = round(prefill_flops(batch, context, q_per) / (us * 1e-6) / 1e12, 2)
                         rows.append(row)
-                        print(f"{mode:8s} {name:10s} B={batch:<4d} ctx={context:<6d} page={page:<3d} "
+                        print(f"{mode:8s} {name:18s} B={batch:<4d} ctx={context:<6d} page={page:<3d} "
                               f"{us:10.1f} us {bw / 1e9:9.1f} GB/s"
-                              + (f" {100 * bw / peak:5.1f}% of peak" if peak else ""), flush=True)
+                              + (f" {100 * bw / peak:5.1f}% of peak" if peak else "")
+                              + (f" {row['tflops']:7.1f} TFLOP/s" if "tflops" in row else "")
+                              + (f" splits {row['splits']}" if "splits" in row else ""), flush=True)
                     del args
     if a.json:
         print(json.dumps(rows, indent=1))

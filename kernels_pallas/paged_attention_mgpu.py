@@ -12,6 +12,15 @@ products run on the tensor cores (``wgmma``):
    (wgmma);
 3. ``O / l`` (with the sink) back to global memory.
 
+Split over the context (flash-decoding): with ``splits > 1`` the grid gets a
+third axis, and program ``s`` walks only the ``s``-th of ``splits`` equal runs
+of its item's tiles. It writes its own normalised output (in q's dtype) and the
+log of its softmax denominator (``m + log l``, f32); ``_combine`` then weighs
+the runs by their denominators (and the sink) in one XLA pass. One decode
+sequence has ``Hkv`` programs without a split: 8 of an H200's 132 SMs busy,
+each walking the whole context. ``default_splits`` fills the SMs, and a
+sliding window's item still splits only the tiles of its window.
+
 A tile is 64 keys whatever the block size: ``P`` then has 128-byte rows, the
 swizzle the P.V wgmma needs (16- and 32-token pages gave 32- and 64-byte rows,
 which Mosaic GPU cannot lay out). A tile is filled by ``64 / chunk`` copies of
@@ -47,6 +56,8 @@ from kernels_pallas.support import YES, Support, no
 ROWS = 64  # query rows per warpgroup: the wgmma M dimension
 KEYS = 64  # keys per loop iteration: P's rows are 128 bytes in bf16/fp16
 SMEM_BYTES = 232448  # an H100/H200 block's shared memory (227 KiB)
+HOPPER_SMS = 132  # an H100 SXM's or H200's streaming multiprocessors, where the device does not say
+MAX_SPLITS = 32  # more runs than this add partial outputs faster than they shorten a run
 # A block-table row sits in shared memory as [rows, TABLE_COLS]: one TMA copy moves at most 256 entries
 # along each dimension, and a long context's row is longer than that.
 TABLE_COLS = 64
@@ -88,6 +99,29 @@ def supports(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: in
     return YES
 
 
+def sm_count() -> int:
+    """Streaming multiprocessors of the GPU programs are built for: the abstract mesh's device while one is
+    in use (``num_cores``), else the default device's ``core_count``; ``HOPPER_SMS`` where neither says
+    (interpret mode on a CPU)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        cores = mesh.abstract_device.num_cores
+    else:
+        dev = jax.devices()[0]
+        cores = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
+    return int(cores) if cores else HOPPER_SMS
+
+
+def default_splits(busy_items: int, num_kv_heads: int, max_keys: int, sms: int | None = None) -> int:
+    """How many runs each item's keys are split into: enough that ``busy_items x num_kv_heads x splits``
+    programs fill the ``sms`` streaming multiprocessors (``sm_count()``), at most one per 64-key tile of the
+    longest table (``max_keys``) and ``MAX_SPLITS``; 1 where the items alone fill them (large batches,
+    prefill)."""
+    sms = sm_count() if sms is None else sms
+    programs = max(1, busy_items * num_kv_heads)
+    return max(1, min(sms // programs, ragged.cdiv(max_keys, KEYS), MAX_SPLITS))
+
+
 def _item_metadata(items: ragged.WorkItems, query_start_loc, seq_lens, block_q,
                    params: AttentionParams, group: int):
     """Per item: scalars ``i32[I, META]`` and per-row ``i32[I, 2, ROWS]`` (position, first visible key)."""
@@ -103,13 +137,18 @@ def _item_metadata(items: ragged.WorkItems, query_start_loc, seq_lens, block_q,
     return scalars, rows
 
 
-def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk: int):
+def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk: int, splits: int):
     if has_sinks:
         meta_ref, rows_ref, bt_ref, q_ref, kv_ref, sinks_ref, *refs = refs
     else:
         (meta_ref, rows_ref, bt_ref, q_ref, kv_ref, *refs), sinks_ref = refs, None
-    o_ref, meta_smem, rows_smem, bt_smem, q_smem, k_smem, v_smem, p_smem, sink_smem, bars, k_bars, v_bars = refs
+    if splits > 1:
+        o_ref, lse_ref, *refs = refs
+    else:
+        (o_ref, *refs), lse_ref = refs, None
+    meta_smem, rows_smem, bt_smem, q_smem, k_smem, v_smem, p_smem, row_smem, bars, k_bars, v_bars = refs
     item, h = jax.lax.axis_index("item"), jax.lax.axis_index("head")
+    split = jax.lax.axis_index("split") if splits > 1 else 0
     bs, d = kv_ref.shape[3], k_smem.shape[2]
     copies = KEYS // chunk
     last_col = bt_smem.shape[0] * TABLE_COLS - 1
@@ -117,12 +156,16 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
     plgpu.copy_gmem_to_smem(rows_ref.at[item], rows_smem, bars.at[1])
     plgpu.copy_gmem_to_smem(q_ref.at[item, h], q_smem, bars.at[2])
     if has_sinks:
-        plgpu.copy_gmem_to_smem(sinks_ref.at[h], sink_smem, bars.at[4])
+        plgpu.copy_gmem_to_smem(sinks_ref.at[h], row_smem, bars.at[4])
         plgpu.barrier_wait(bars.at[4])
     plgpu.barrier_wait(bars.at[0])
     seq, key_lo, key_hi = meta_smem[_SEQ], meta_smem[_KEY_LO], meta_smem[_KEY_HI]
     tile_lo = key_lo // KEYS
     tile_hi = jnp.where(key_hi > key_lo, (key_hi + KEYS - 1) // KEYS, tile_lo)
+    # This program's run of the item's tiles: the split-th of ``splits`` runs of equal length.
+    per_run = (tile_hi - tile_lo + splits - 1) // splits
+    run_lo = jnp.minimum(tile_lo + split * per_run, tile_hi)
+    run_hi = jnp.minimum(run_lo + per_run, tile_hi)
     plgpu.copy_gmem_to_smem(bt_ref.at[seq], bt_smem, bars.at[3])
     plgpu.barrier_wait(bars.at[1])
     plgpu.barrier_wait(bars.at[2])
@@ -149,15 +192,15 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
         for c in range(copies):
             plgpu.barrier_wait(bars_.at[slot * copies + c])
 
-    @pl.when(tile_lo < tile_hi)
+    @pl.when(run_lo < run_hi)
     def _():
-        fetch(tile_lo, 0)
+        fetch(run_lo, 0)
 
     def body(t, carry):
         acc, m, l = carry
-        slot = jax.lax.rem(t - tile_lo, 2)
+        slot = jax.lax.rem(t - run_lo, 2)
 
-        @pl.when(t + 1 < tile_hi)
+        @pl.when(t + 1 < run_hi)
         def _():
             fetch(t + 1, 1 - slot)
 
@@ -206,9 +249,18 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
         plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), row_layout),
         plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout),
     )
-    acc, m, l = jax.lax.fori_loop(tile_lo, tile_hi, body, init)
+    acc, m, l = jax.lax.fori_loop(run_lo, run_hi, body, init)
+    if splits > 1:  # each run's own output and log-denominator; the sink enters once, in _combine
+        l_ = jnp.where(l > 0, l, 1.0)
+        row_smem[...] = jnp.where(l > 0, m + jnp.log(l_), MASK_VALUE)
+        q_smem[...] = (acc / jax.lax.broadcast_in_dim(l_, acc.shape, [0])).astype(q_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[item, h, split])
+        plgpu.copy_smem_to_gmem(row_smem, lse_ref.at[item, h, split])
+        plgpu.wait_smem_to_gmem(0)
+        return
     if has_sinks:
-        sink = plgpu.load(sink_smem, layout=row_layout)
+        sink = plgpu.load(row_smem, layout=row_layout)
         m_fin = jnp.maximum(m, sink)
         corr = jnp.exp(m - m_fin)
         l = l * corr + jnp.exp(sink - m_fin)
@@ -220,14 +272,30 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("params", "interpret"))
+def _combine(o: jax.Array, lse: jax.Array, sinks_rows: jax.Array | None) -> jax.Array:
+    """The split runs' outputs ``[I, Hkv, splits, ROWS, D]`` weighed by their softmax denominators
+    ``lse: f32[I, Hkv, splits, ROWS]`` (and the sink): ``[I, Hkv, ROWS, D]`` in o's dtype."""
+    top = lse.max(axis=2)
+    if sinks_rows is not None:
+        top = jnp.maximum(top, sinks_rows[None])
+    w = jnp.exp(lse - top[:, :, None])       # the largest term (a run or the sink) weighs 1: denom >= 1
+    denom = w.sum(axis=2)
+    if sinks_rows is not None:
+        denom = denom + jnp.exp(sinks_rows[None] - top)
+    out = jnp.einsum("ihsr,ihsrd->ihrd", w, o.astype(jnp.float32)) / denom[..., None]
+    return out.astype(o.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("params", "interpret", "splits"))
 def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
                     query_start_loc: jax.Array, seq_lens: jax.Array, params: AttentionParams,
-                    sinks: jax.Array | None = None, *, interpret: bool = False) -> jax.Array:
+                    sinks: jax.Array | None = None, *, interpret: bool = False,
+                    splits: int | None = None) -> jax.Array:
     """Ragged paged attention (shapes: ``reference.py``) with the Mosaic GPU kernel.
 
-    ``interpret=True`` runs it in Mosaic GPU's interpreter on CPU. Raises
-    ``ValueError`` for shapes the kernel does not take (``supports``).
+    ``splits``: runs each item's keys are split into (``None``: ``default_splits`` for these shapes on
+    this GPU). ``interpret=True`` runs it in Mosaic GPU's interpreter on CPU. Raises ``ValueError`` for
+    shapes the kernel does not take (``supports``) or ``splits < 1``.
     """
     num_tokens, hq, d = q.shape
     _, _, hkv, bs, _ = kv_pages.shape
@@ -238,6 +306,10 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     block_q = ROWS // group
     items = ragged.work_items(query_start_loc, num_tokens, block_q)
     n = items.seq.shape[0]
+    if splits is None:  # at most one busy item per query token
+        splits = default_splits(min(n, num_tokens), hkv, block_tables.shape[1] * bs)
+    if splits < 1:
+        raise ValueError(f"splits must be at least 1, got {splits}")
     scalars, rows = _item_metadata(items, query_start_loc.astype(jnp.int32),
                                    seq_lens.astype(jnp.int32), block_q, params, group)
     # [I, block_q, Hkv, G, D] -> [I, Hkv, ROWS, D]: one contiguous Q tile per program.
@@ -252,12 +324,15 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     if sinks is not None:
         sinks_rows = jnp.repeat(sinks.astype(jnp.float32).reshape(hkv, 1, group), block_q, axis=1)
         sinks_rows = sinks_rows.reshape(hkv, ROWS)
+    in_kernel_sinks = sinks is not None and splits == 1
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     chunk = math.gcd(bs, KEYS)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, params=params, scale=params.scale(d), has_sinks=sinks is not None,
-                          chunk=chunk),
-        out_type=jax.ShapeDtypeStruct((n, hkv, ROWS, d), q.dtype),
+        functools.partial(_kernel, params=params, scale=params.scale(d), has_sinks=in_kernel_sinks,
+                          chunk=chunk, splits=splits),
+        out_type=(jax.ShapeDtypeStruct((n, hkv, ROWS, d), q.dtype) if splits == 1 else
+                  (jax.ShapeDtypeStruct((n, hkv, splits, ROWS, d), q.dtype),
+                   jax.ShapeDtypeStruct((n, hkv, splits, ROWS), jnp.float32))),
         scratch_types=[
             plgpu.SMEM((8,), jnp.int32),
             plgpu.SMEM((2, ROWS), jnp.int32),
@@ -271,13 +346,15 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
             plgpu.Barrier(num_barriers=2 * (KEYS // chunk)),
             plgpu.Barrier(num_barriers=2 * (KEYS // chunk)),
         ],
-        grid=(n, hkv),
-        grid_names=("item", "head"),
+        grid=(n, hkv) if splits == 1 else (n, hkv, splits),
+        grid_names=("item", "head") if splits == 1 else ("item", "head", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     meta = jnp.pad(scalars, ((0, 0), (0, 8 - META)))  # 32-byte rows for TMA
-    extra = () if sinks_rows is None else (sinks_rows,)
+    extra = (sinks_rows,) if in_kernel_sinks else ()
     o = kernel(meta, rows, bt, q_items, kv_pages, *extra)
+    if splits > 1:
+        o = _combine(*o, sinks_rows)
     o = o.reshape(n, hkv, block_q, group, d).transpose(0, 2, 1, 3, 4).reshape(n, block_q, hq, d)
     return ragged.scatter_outputs(o, items)

@@ -17,7 +17,8 @@ def test_attention_benchmark_smoke_checks_and_times_every_implementation():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "WRONG" not in proc.stderr and "cannot run" not in proc.stderr, proc.stderr[-2000:]
     rows = json.loads(proc.stdout[proc.stdout.index("["):])
-    assert {r["impl"] for r in rows} == {"ours", "triton", "xla", "mosaic_gpu", "jax"}
+    assert {r["impl"] for r in rows} == {"ours", "triton", "xla", "mosaic_gpu", "mosaic_gpu_nosplit", "jax"}
+    assert all(r["splits"] >= 1 for r in rows if r["impl"] == "mosaic_gpu")
     assert all(r["time_us"] > 0 and r["bytes"] > 0 for r in rows)
 
 

@@ -139,7 +139,37 @@ def test_portable_kernel_equals_dense_attention(case):
 @given(cases(block_sizes=(16, 32, 48, 64), groups=(1, 2, 4, 8), head_sizes=(64, 128),
              dtypes=("bfloat16", "float16")))
 def test_mosaic_gpu_kernel_equals_dense_attention(case):
-    check(run(mgpu.paged_attention, case, interpret=True), case)
+    check(run(mgpu.paged_attention, case, interpret=True, splits=1), case)
+    # Split over the context: 3 runs of each item's tiles (some empty where an item has fewer), combined.
+    check(run(mgpu.paged_attention, case, interpret=True, splits=3), case)
+
+
+def test_mosaic_gpu_splits_a_long_decode_and_its_window_over_runs():
+    """One decode over 300 keys (5 tiles) in 2-5 runs, with a sink and a soft cap, and with a 100-key window
+    (its runs split only the window's tiles); NaN in every page nothing references."""
+    bs, hkv, g, d, length = 16, 2, 2, 64, 300
+    rng = np.random.default_rng(1)
+    kv = rng.normal(size=(2, length, hkv, d)).astype(np.float32)
+    width = -(-length // bs) + 1
+    pages = np.full((width + 2, 2, hkv, bs, d), np.nan, np.float32)
+    tables = np.zeros((2, width), np.int32)
+    for j in range(-(-length // bs)):
+        tables[0, j] = j + 1
+        n = min(bs, length - j * bs)
+        pages[j + 1, :, :, :n] = kv[:, j * bs:j * bs + n].transpose(0, 2, 1, 3)
+    q = rng.normal(size=(2, g * hkv, d)).astype(np.float32)  # the decode token and one padding row
+    sinks = rng.normal(size=(g * hkv,)).astype(np.float32)
+    as_bf16 = [np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (q[:1], kv[0], kv[1])]
+    for params, with_sinks, splits in [(AttentionParams(soft_cap=5.0), True, 2),
+                                       (AttentionParams(sliding_window=100), False, 5)]:
+        sk = sinks if with_sinks else None
+        expected = np.zeros(q.shape, np.float32)
+        expected[:1] = dense_attention(*as_bf16, params, sk)
+        case = Case(q, pages, tables, np.array([0, 1, 1], np.int32), np.array([length, 0], np.int32), params, sk,
+                    expected, "bfloat16")
+        check(run(mgpu.paged_attention, case, interpret=True, splits=splits), case)
+    with pytest.raises(ValueError, match="splits must be at least 1"):
+        run(mgpu.paged_attention, case, interpret=True, splits=0)
 
 
 @settings(max_examples=6, **SETTINGS)

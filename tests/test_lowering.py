@@ -119,6 +119,22 @@ def test_every_planned_shape_lowers_for_tpu_where_the_tpu_kernel_takes_it(shape)
     assert ("tpu_custom_call" in text) == (why is None)
 
 
+def test_a_lone_decode_splits_its_context_over_the_h200s_sms_and_lowers():
+    """One sequence's decode has Hkv programs without a split: ``auto`` splits its keys so that the programs
+    fill the 132 SMs (capped by the table's 64-key tiles and MAX_SPLITS); a batch of 64 fills them alone."""
+    with use_abstract_mesh(H200):
+        assert paged_attention_mgpu.sm_count() == 132
+        assert paged_attention_mgpu.default_splits(1, 8, 32768) == 16
+        assert paged_attention_mgpu.default_splits(1, 1, 32768) == paged_attention_mgpu.MAX_SPLITS
+        assert paged_attention_mgpu.default_splits(1, 8, 128) == 2   # two 64-key tiles
+        assert paged_attention_mgpu.default_splits(64, 8, 32768) == 1
+    params = AttentionParams(sliding_window=128, soft_cap=30.0)
+    q, pages = sd((1, 8, 128), jnp.bfloat16), sd((N, 2, 8, 16, 128), jnp.bfloat16)
+    rest = (sd((1, MAX_BLOCKS), jnp.int32), sd((2,), jnp.int32), sd((1,), jnp.int32), sd((8,), jnp.float32))
+    text = lower_for(H200, lambda *a: kernels_pallas.paged_attention(*a[:5], params, a[5]), q, pages, *rest)
+    assert "mosaic_gpu" in text
+
+
 def test_supported_names_what_the_kernels_cannot_take():
     assert "head_size 96" in paged_attention_portable.supports((N, 2, 4, 16, 96), 8)
     assert "head_size 96" in kv_write_portable.supports((N, 2, 4, 16, 96))
