@@ -14,7 +14,8 @@ rows also give TFLOP/s: 4 x head size x query heads per (query, visible key) pai
 
 ``--smoke`` runs tiny cases on CPU (Pallas in interpret mode; times are meaningless there) so that CI
 keeps the script working. Run: ``python benchmarks/attention_gpu.py [--batch 1,8,64,256]
-[--context 1024,4096,32768] [--page 16,32,64] [--mode decode,prefill] [--json]``.
+[--context 1024,4096,32768] [--page 16,32,64] [--mode decode,prefill] [--json]``; ``--json`` prints each
+row as a JSON line as soon as it is timed (a run cut short keeps the rows it has).
 """
 
 from __future__ import annotations
@@ -173,7 +174,6 @@ def main(argv=None) -> int:
     peak = peak_bandwidth()
     print(f"# device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
           f"peak HBM {peak / 1e12 if peak else float('nan'):.2f} TB/s", file=sys.stderr)
-    rows = []
     for mode in a.mode.split(","):
         impls = implementations(mode, a.smoke)
         errs = check(impls, mode, a.smoke)
@@ -199,15 +199,14 @@ def main(argv=None) -> int:
                             row["splits"] = mosaic_splits(batch, q_per, context, page)
                         if mode == "prefill":
                             row["tflops"] = round(prefill_flops(batch, context, q_per) / (us * 1e-6) / 1e12, 2)
-                        rows.append(row)
+                        if a.json:
+                            print(json.dumps(row), flush=True)
                         print(f"{mode:8s} {name:18s} B={batch:<4d} ctx={context:<6d} page={page:<3d} "
                               f"{us:10.1f} us {bw / 1e9:9.1f} GB/s"
                               + (f" {100 * bw / peak:5.1f}% of peak" if peak else "")
                               + (f" {row['tflops']:7.1f} TFLOP/s" if "tflops" in row else "")
-                              + (f" splits {row['splits']}" if "splits" in row else ""), flush=True)
+                              + (f" splits {row['splits']}" if "splits" in row else ""), file=sys.stderr, flush=True)
                     del args
-    if a.json:
-        print(json.dumps(rows, indent=1))
     return 0
 
 

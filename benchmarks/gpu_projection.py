@@ -82,8 +82,9 @@ BLOCK_SIZE = 16
 DECODE_CALL_STEPS = 4
 def build_model(name: str):
     """(config, abstract model) of ``name``: the Gemma 3 ones as the engine serves Gemma 3 (``Gemma3LM``, bf16
-    weights), the others in the tiny model family (f32 weights: it computes in f32)."""
-    preset, overrides = CONFIGS[name]
+    weights), the others in the tiny model family (f32 weights: it computes in f32); a ``tiny-*`` preset as it
+    is."""
+    preset, overrides = CONFIGS[name] if name in CONFIGS or not name.startswith("tiny-") else (name, {})
     hf = resolve_model(preset)[1]
     if "text_config" in hf:
         hf = {**hf, "text_config": {**hf["text_config"], **overrides}}
@@ -205,33 +206,45 @@ def _gb(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 1e9:.1f} GB"
 
 
-def measure(name: str, batch: int, context: int, decode_steps: int, repeats: int = 16) -> dict:
-    """On the machine's own device: an engine serving ``name`` (random weights) to ``batch`` requests of
-    ``context`` tokens; the median seconds of a decode step once every request decodes (``decode_steps``
-    steps a call: 1 is ``STEP``, more ``DECODE_STEPS``)."""
-    import statistics
-
+def decode_engine(name: str, batch: int, context: int, decode_steps: int, decode_calls: int):
+    """On the machine's own device: an engine serving ``name`` (random weights; a ``tiny-*`` preset too) to
+    ``batch`` requests of ``context`` tokens, prefilled, with tokens left for ``decode_calls`` calls of
+    ``decode_steps`` decode steps each (1: ``STEP``, more: ``DECODE_STEPS``)."""
     from hkv_jax.engine import Engine, SamplingParams
 
     cfg, _ = build_model(name)
     model = (Gemma3LM if isinstance(cfg, Gemma3Config) else TinyLM)(cfg, nnx.Rngs(0))
-    max_len = context + 2 * BLOCK_SIZE + decode_steps * (repeats + 2)
+    new_tokens = decode_steps * (decode_calls + 2)
+    max_len = context + 2 * BLOCK_SIZE + new_tokens
     probe = plan(cfg.layers, block_size=BLOCK_SIZE, policy="vllm", num_blocks=2)
     eng = Engine(model, num_blocks=batch * blocks_per_request(probe, max_len) + 1, block_size=BLOCK_SIZE,
                  max_requests=batch, max_model_len=max_len, token_budget=max(batch, 512), decode_steps=decode_steps)
     rng = np.random.default_rng(0)
     for _ in range(batch):
-        prompt = rng.integers(1, cfg.vocab_size, context - 1).tolist()
-        eng.add_request(prompt, SamplingParams(decode_steps * (repeats + 2), min_tokens=decode_steps * (repeats + 2)))
+        eng.add_request(rng.integers(1, cfg.vocab_size, context - 1).tolist(),
+                        SamplingParams(new_tokens, min_tokens=new_tokens))
     while any(r.computed < len(r.prompt) for r in eng.requests.values()):  # the prefills
         eng.step()
+    return eng
+
+
+def timed_decode_calls(eng, calls: int, decode_steps: int) -> list[float]:
+    """Seconds per decode step of each of ``calls`` calls of ``eng.step_tokens()``."""
     times = []
-    for _ in range(repeats):
+    for _ in range(calls):
         jax.block_until_ready(eng.state)
         t = time.perf_counter()
         eng.step_tokens()
         jax.block_until_ready(eng.state)
         times.append((time.perf_counter() - t) / decode_steps)
+    return times
+
+
+def measure(name: str, batch: int, context: int, decode_steps: int, repeats: int = 16) -> dict:
+    """The median milliseconds of a decode step of ``decode_engine``'s engine, over ``repeats`` calls."""
+    import statistics
+
+    times = timed_decode_calls(decode_engine(name, batch, context, decode_steps, repeats), repeats, decode_steps)
     return {"measured_ms": round(statistics.median(times) * 1e3, 3)}
 
 

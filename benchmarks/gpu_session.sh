@@ -1,22 +1,48 @@
 #!/usr/bin/env bash
-# One prepared GPU run (the `device` tool's machine: jax + CUDA plugin installed, no internet).
-# Checks every kernel against the reference on the GPU, then times decode and prefill, then the engine step,
-# then the projected decode rows (gpu_projection.py --measure).
-# Usage (repo root): bash benchmarks/gpu_session.sh [OUTDIR]   (OUTDIR defaults to $OUT or /tmp)
-set -euo pipefail
-out=${1:-${OUT:-/tmp}}
+# One prepared GPU run (the `device` tool's machine: jax + CUDA plugin installed, no internet), at most about
+# 8 minutes on an H200 with the compiles. Each step runs under its own `timeout` and writes its rows as it goes,
+# so a step cut short keeps what it measured and the next one runs:
+#   1. attention, decode then prefill: every kernel checked against the reference on this GPU, then timed
+#      (ours, the Mosaic GPU kernel with and without its context split, the portable one, XLA, JAX's own);
+#   2. the engine's parity workload on this GPU's kernels against the dense model;
+#   3. decode_profile: a Gemma 3 270M decode step (B=1, 1k): wall, GPU busy time, kernels a step, top kernels;
+#      run twice, the second with the first's compilation cache: the start, cold and warm;
+#   4. gpu_projection --measure: decode programs served and timed against their projected time.
+# Then gpu_results.py writes benchmarks/results/<device>-<date>.json from what the steps wrote.
+# Usage (repo root): bash benchmarks/gpu_session.sh [OUTDIR]   (OUTDIR defaults to $OUT or /tmp/gpu_session)
+# SMOKE=1 runs every step at its smallest (CPU, interpret mode) to check the script before a GPU is lent.
+set -uo pipefail
+out=${1:-${OUT:-/tmp/gpu_session}}
+mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv | tee "$out/gpu.txt"
-python -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$out/gpu.txt"
-python benchmarks/attention_gpu.py --mode decode --batch 1,8,64,256 --context 1024,4096,32768 \
-  --page 16,64 --repeats 10 --json > "$out/attention_decode.json" 2> >(tee "$out/attention_decode.log" >&2)
-python benchmarks/attention_gpu.py --mode prefill --batch 1,8 --context 4096,32768 --page 16 \
-  --repeats 5 --json > "$out/attention_prefill.json" 2> >(tee "$out/attention_prefill.log" >&2)
-python examples/bench_engine_gpu.py --requests 48 2>&1 | tee "$out/engine_steps.log"
-# The engine step split into allocator and model share, on the GPU (the vectorised path; figures in us).
-python benchmarks/engine_step.py --models full32,gemma3 --batch 64,256 --paths new --repeats 2 --json \
-  > "$out/engine_step.json" 2> >(tee "$out/engine_step.log" >&2)
-# The decode programs' projected rows (gpu_projection.py: bytes per step at HBM peak), served and timed here:
-# measured against projected milliseconds, and the bytes per step over the measured time against the peak.
-python benchmarks/gpu_projection.py --configs gemma-3-270m,llama-3.1-8b-like --devices h200 --batches 1,64 \
-  --contexts 4096 --programs decode_steps --measure --json > "$out/projection.json" 2> >(tee "$out/projection.log" >&2)
+export JAX_COMPILATION_CACHE_DIR="$out/jax_cache"
+smoke=${SMOKE:-}
+step() {  # step NAME SECONDS COMMAND...: stdout to $out/NAME, stderr to $out/NAME.log and the terminal
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/$name" 2> >(tee "$out/$name.log" >&2)
+  echo "# $name: exit $? after $((SECONDS - t0)) s (limit $limit s)" | tee -a "$out/steps.txt" >&2
+}
+{ nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv 2>/dev/null || echo "no nvidia-smi"
+  python -c "import jax; print(jax.__version__, jax.devices())"; git rev-parse --short HEAD 2>/dev/null; } \
+  | tee "$out/gpu.txt"
+if [ -n "$smoke" ]; then
+  step attention_decode.jsonl 300 python benchmarks/attention_gpu.py --smoke --mode decode --json
+  step parity.jsonl 120 python benchmarks/gpu_parity.py --smoke
+  step decode_profile_cold.json 120 python benchmarks/decode_profile.py --smoke --json
+  step decode_profile_warm.json 120 python benchmarks/decode_profile.py --smoke --json
+else
+  step attention_decode.jsonl 120 python benchmarks/attention_gpu.py --mode decode --batch 1,64,256 \
+    --context 4096,32768 --page 16 --repeats 10 --json
+  step attention_prefill.jsonl 60 python benchmarks/attention_gpu.py --mode prefill --batch 1,8 \
+    --context 4096,32768 --page 16 --repeats 5 --json
+  step parity.jsonl 100 python benchmarks/gpu_parity.py --cases tiny-gemma3:vllm,tiny-jamba:min-waste
+  step decode_profile_cold.json 80 python benchmarks/decode_profile.py --config gemma-3-270m --batch 1 \
+    --context 1024 --json
+  step decode_profile_warm.json 45 python benchmarks/decode_profile.py --config gemma-3-270m --batch 1 \
+    --context 1024 --calls 4 --json
+  step projection.json 80 python benchmarks/gpu_projection.py --configs gemma-3-270m,llama-3.1-8b-like \
+    --devices h200 --batches 1 --contexts 4096 --programs decode_steps --measure --json
+fi
+python benchmarks/gpu_results.py "$out" --commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
+  --into "$out/results"

@@ -80,6 +80,7 @@ LONGEST_FIRST = (
     "test_engine_paths.py::",
     "test_cli.py::test_demo_serves",
     "test_benchmarks.py::test_engine_benchmark",
+    "test_benchmarks.py::test_gpu_session",
 )
 
 

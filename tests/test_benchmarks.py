@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,16 +11,54 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_attention_benchmark_smoke_checks_and_times_every_implementation():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/attention_gpu.py"), "--smoke",
-                           "--mode", "decode", "--json"], capture_output=True, text=True, timeout=600,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "WRONG" not in proc.stderr and "cannot run" not in proc.stderr, proc.stderr[-2000:]
-    rows = json.loads(proc.stdout[proc.stdout.index("["):])
+def test_gpu_session_smoke_runs_every_step_and_writes_the_results_file(tmp_path):
+    """``SMOKE=1 gpu_session.sh``: every step at its smallest on CPU (the attention kernels in interpret mode),
+    each under its timeout, then the results file from what they wrote."""
+    env = {**os.environ, "SMOKE": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_session.sh"), str(tmp_path)], capture_output=True,
+                          text=True, timeout=900, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = (tmp_path / "steps.txt").read_text().splitlines()
+    assert len(steps) == 4 and all(": exit 0 after" in line for line in steps), steps
+    # attention_gpu.py checked and timed every implementation; the split kernel says into how many runs.
+    log = (tmp_path / "attention_decode.jsonl.log").read_text()
+    assert "WRONG" not in log and "cannot run" not in log, log[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "attention_decode.jsonl").read_text().splitlines()]
     assert {r["impl"] for r in rows} == {"ours", "triton", "xla", "mosaic_gpu", "mosaic_gpu_nosplit", "jax"}
-    assert all(r["splits"] >= 1 for r in rows if r["impl"] == "mosaic_gpu")
     assert all(r["time_us"] > 0 and r["bytes"] > 0 for r in rows)
+    assert all(r["splits"] >= 1 for r in rows if r["impl"] == "mosaic_gpu")
+    # decode_profile.py ran; a CPU's trace has no device process.
+    assert "not measured" in (tmp_path / "decode_profile_cold.json.log").read_text()
+    results = json.loads(next((tmp_path / "results").glob("cpu-*.json")).read_text())
+    assert results["commit"] != "unknown" and results["jax"]
+    by = {}
+    for r in results["rows"]:
+        by.setdefault(r["bench"], []).append(r)
+    assert len(by["attention_decode"]) == len(rows)
+    [parity] = by["parity"]
+    assert parity["tokens_equal"] == parity["requests"] == 2 and parity["all_freed"]
+    [profile] = by["decode_profile"]
+    assert profile["config"] == "tiny-gptoss" and profile["step_ms"] > 0 and profile["gpu_busy_ms"] is None
+    [start] = by["startup"]
+    assert 0 < start["warm_s"] and 0 < start["cold_s"]
+
+
+def test_decode_profile_reads_device_busy_time_and_kernels_from_a_trace():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from decode_profile import device_events, summarise
+
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}}]
+
+    def ev(pid, name, ts, dur):
+        return {"ph": "X", "pid": pid, "tid": 7, "name": name, "ts": ts, "dur": dur}
+    # Two streams overlapping in [12, 15): busy 10-20 and 30-31 = 11 us; the host's event is not the device's.
+    trace = {"traceEvents": meta + [ev(1, "attn", 10, 5), ev(1, "norm", 12, 8), ev(1, "MemcpyD2H", 30, 1),
+                                    ev(1, "attn", 40, 0), ev(2, "python", 0, 100)]}
+    row = summarise(device_events(trace), steps=2, top=1)
+    assert row["gpu_busy_ms"] == round(11 / 2 / 1e3, 4)
+    assert row["kernels_per_step"] == 1.5  # 3 kernels (the copy is not one) over 2 steps
+    assert row["top"] == [{"kernel": "norm", "calls_per_step": 0.5, "us_per_step": 4.0}]
 
 
 def test_cpu_attention_benchmark_times_each_column_count_with_equal_outputs():
@@ -135,3 +174,4 @@ def test_gpu_projection_reports_no_unfused_bytes_where_the_lowering_has_no_cost_
     assert projection._gb(None) == "n/a"
     lowered = jax.jit(lambda x: x * 2).lower(jnp.zeros(1024, jnp.float32))
     assert projection._unfused_bytes(lowered) >= 2 * 4096
+

@@ -1,0 +1,134 @@
+"""Where a decode step goes on this machine's device: wall time, device busy time, kernels, the top kernels.
+
+Serves ``--config`` (``gpu_projection.py``'s models with random weights, or a ``tiny-*`` preset) to
+``--batch`` requests prefilled to ``--context`` tokens, times ``--calls`` calls of ``decode_steps`` decode
+steps each (the median per step after two warm calls), then records a profiler trace
+(``jax.profiler``, perfetto) of ``--traced-calls`` more calls and reads it:
+
+- ``gpu_busy_ms``: per step, the union of the intervals in which the device ran anything (kernels and
+  copies on any stream of a ``/device:*`` process);
+- ``kernels_per_step``: device events that are not copies or memsets, per step;
+- ``top``: the kernels with the most device time (name, calls per step, microseconds per step).
+
+On a CPU the trace has no device process: the two device fields are ``None`` and only the wall time is
+measured (``--smoke`` runs that way, so that CI keeps the script working). ``--trace FILE`` summarises a
+trace written before instead (``*.trace.json.gz``). Run: ``python benchmarks/decode_profile.py
+--config gemma-3-270m --batch 1 --context 1024 [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_projection import decode_engine, timed_decode_calls  # noqa: E402
+
+COPIES = ("Memcpy", "Memset", "memcpy", "memset")
+
+
+def device_events(trace: dict | list) -> list[dict]:
+    """The complete events (``ph == "X"``) of the trace's device processes (named ``/device:...``)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+               and str(e.get("args", {}).get("name", "")).startswith("/device:")}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in devices]
+
+
+def summarise(events: list[dict], steps: int, top: int = 10) -> dict:
+    """Busy milliseconds, kernels and the top kernels per step of ``steps`` steps' device ``events``."""
+    busy, end = 0.0, float("-inf")
+    for e in sorted(events, key=lambda e: e["ts"]):  # the union of [ts, ts + dur)
+        lo, hi = e["ts"], e["ts"] + e.get("dur", 0)
+        busy += max(0.0, hi - max(lo, end))
+        end = max(end, hi)
+    kernels = [e for e in events if not e["name"].startswith(COPIES)]
+    time_of, calls = collections.Counter(), collections.Counter()
+    for e in kernels:
+        time_of[e["name"]] += e.get("dur", 0)
+        calls[e["name"]] += 1
+    return {"gpu_busy_ms": round(busy / steps / 1e3, 4), "kernels_per_step": round(len(kernels) / steps, 1),
+            "top": [{"kernel": name, "calls_per_step": round(calls[name] / steps, 2),
+                     "us_per_step": round(us / steps, 2)} for name, us in time_of.most_common(top)]}
+
+
+def read_trace(path: str) -> dict | list:
+    with gzip.open(path) as f:
+        return json.load(f)
+
+
+def profile(config: str, batch: int, context: int, decode_steps: int, calls: int, traced_calls: int,
+            top: int) -> dict:
+    """The row for one configuration, on this machine's device."""
+    t0 = time.perf_counter()
+    eng = decode_engine(config, batch, context, decode_steps, calls + traced_calls)
+    setup = time.perf_counter() - t0
+    print(f"# {config} B={batch} ctx={context}: engine built, compiled and prefilled in {setup:.1f} s",
+          file=sys.stderr, flush=True)
+    times = timed_decode_calls(eng, calls, decode_steps)
+    row = {"bench": "decode_profile", "config": config, "batch": batch, "context": context,
+           "decode_steps": decode_steps, "device": jax.devices()[0].device_kind, "setup_s": round(setup, 1),
+           "step_ms": round(statistics.median(times[2:] or times) * 1e3, 3), "gpu_busy_ms": None,
+           "kernels_per_step": None, "top": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(traced_calls):
+                eng.step_tokens()
+            jax.block_until_ready(eng.state)
+        files = sorted(glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True))
+        events = device_events(read_trace(files[-1])) if files else []
+    if events:
+        row.update(summarise(events, traced_calls * decode_steps, top))
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="gemma-3-270m")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--decode-steps", type=int, default=4, help="decode steps per call (the engine's decode_steps)")
+    p.add_argument("--calls", type=int, default=12, help="timed calls")
+    p.add_argument("--traced-calls", type=int, default=3)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--trace", help="summarise this perfetto trace (*.trace.json.gz) instead of running")
+    p.add_argument("--steps", type=int, help="with --trace: the decode steps the trace holds")
+    p.add_argument("--smoke", action="store_true", help="tiny-gptoss, B=1, 40 tokens, 3 calls (CI on CPU)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.trace:
+        if not a.steps:
+            p.error("--trace needs --steps")
+        row = summarise(device_events(read_trace(a.trace)), a.steps, a.top)
+    else:
+        if a.smoke:
+            a.config, a.batch, a.context, a.decode_steps, a.calls, a.traced_calls = "tiny-gptoss", 1, 40, 2, 3, 1
+        if min(a.batch, a.context, a.decode_steps, a.calls, a.traced_calls) < 1:
+            p.error("--batch, --context, --decode-steps, --calls and --traced-calls must be positive")
+        row = profile(a.config, a.batch, a.context, a.decode_steps, a.calls, a.traced_calls, a.top)
+        print(f"{a.config} B={a.batch} ctx={a.context}: {row['step_ms']:.3f} ms a step on {row['device']}",
+              file=sys.stderr)
+    if row["gpu_busy_ms"] is not None:
+        print(f"device busy {row['gpu_busy_ms']:.3f} ms a step, {row['kernels_per_step']} kernels a step; top:",
+              file=sys.stderr)
+        for k in row["top"]:
+            print(f"  {k['us_per_step']:9.2f} us {k['calls_per_step']:6.2f}x  {k['kernel'][:100]}", file=sys.stderr)
+    else:
+        print("no device events in the trace (a CPU): device busy time and kernels not measured", file=sys.stderr)
+    if a.json:
+        print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Collect what ``gpu_session.sh`` wrote into one results file: ``benchmarks/results/<device>-<date>.json``.
+
+Reads the session's output folder (whatever steps finished: a step cut short by its timeout leaves the rows
+it printed) and writes ``{"device", "commit", "date", "jax", "rows": [...]}``. Each row has a ``bench``
+field:
+
+- ``attention_decode``: ``impl``, ``batch``, ``context``, ``page``, ``time_us``, ``peak_fraction`` (and
+  ``splits`` for the Mosaic GPU kernel), from ``attention_decode.jsonl``;
+- ``attention_prefill``: ``impl``, ``batch``, ``context``, ``time_us``, ``tflops``, from
+  ``attention_prefill.jsonl``;
+- ``decode_profile``: ``config``, ``batch``, ``context``, ``step_ms``, ``gpu_busy_ms``, ``kernels_per_step``,
+  from ``decode_profile_cold.json``;
+- ``startup``: ``config``, ``cold_s``, ``warm_s``: the decode profile's setup (model, engine, compiles and the
+  prefill) in a fresh process with an empty compilation cache, and again with that cache filled
+  (``decode_profile_warm.json``);
+- ``projection``: ``config``, ``batch``, ``context``, ``measured_ms``, ``projected_ms``, from
+  ``projection.json``;
+- ``parity``: ``model``, ``policy``, ``requests``, ``tokens_equal``, ``max_logit_err``, from ``parity.jsonl``.
+
+Run: ``python benchmarks/gpu_results.py OUTDIR [--commit SHA] [--into benchmarks/results]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+FIELDS = {
+    "attention_decode": ("impl", "batch", "context", "page", "time_us", "peak_fraction", "splits"),
+    "attention_prefill": ("impl", "batch", "context", "page", "time_us", "tflops", "splits"),
+    "decode_profile": ("config", "batch", "context", "decode_steps", "step_ms", "gpu_busy_ms", "kernels_per_step",
+                       "top"),
+    "projection": ("config", "program", "batch", "context", "measured_ms", "projected_ms", "measured_gb_per_s"),
+    "parity": ("model", "policy", "impl", "requests", "tokens_equal", "max_logit_err", "all_freed", "error"),
+}
+
+
+def _json_lines(path: Path) -> list[dict]:
+    """The JSON objects of a file of JSON lines (lines that are not one are skipped)."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [r for r in rows if isinstance(r, dict)]
+
+
+def _pick(bench: str, row: dict) -> dict:
+    return {"bench": bench, **{k: row[k] for k in FIELDS[bench] if k in row}}
+
+
+def collect(out: Path) -> tuple[list[dict], str | None]:
+    """The rows of the session folder ``out`` and the device name they report."""
+    rows, device = [], None
+    for mode in ("decode", "prefill"):
+        for r in _json_lines(out / f"attention_{mode}.jsonl"):
+            rows.append(_pick(f"attention_{mode}", r))
+            device = device or r.get("device")
+    cold, warm = (_json_lines(out / f"decode_profile_{k}.json") for k in ("cold", "warm"))
+    for r in cold:
+        rows.append(_pick("decode_profile", r))
+        device = device or r.get("device")
+    if cold:
+        rows.append({"bench": "startup", "config": cold[0]["config"], "cold_s": cold[0]["setup_s"],
+                     "warm_s": warm[0]["setup_s"] if warm else None})
+    for r in _json_lines(out / "projection.json"):
+        rows.extend(_pick("projection", x) for x in r.get("rows", []) if "measured_ms" in x)
+    for r in _json_lines(out / "parity.jsonl"):
+        rows.append(_pick("parity", r))
+        device = device or r.get("device")
+    return rows, device
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="the folder gpu_session.sh wrote")
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--jax", default=None, help="the jax version (default: this process's)")
+    p.add_argument("--into", type=Path, default=Path(__file__).parent / "results")
+    a = p.parse_args(argv)
+    rows, device = collect(a.out)
+    if not rows:
+        print(f"no rows in {a.out}", file=sys.stderr)
+        return 1
+    if a.jax is None:
+        import jax
+        a.jax = jax.__version__
+    date = datetime.date.today().isoformat()
+    slug = (device or "device").split()[-1].lower()
+    a.into.mkdir(parents=True, exist_ok=True)
+    path = a.into / f"{slug}-{date}.json"
+    path.write_text(json.dumps({"device": device, "commit": a.commit, "date": date, "jax": a.jax, "rows": rows},
+                               indent=1) + "\n")
+    counts = {}
+    for r in rows:
+        counts[r["bench"]] = counts.get(r["bench"], 0) + 1
+    print(f"{path}: " + ", ".join(f"{n} {b}" for b, n in counts.items()), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
