@@ -35,7 +35,6 @@ from hkv_jax.cache import (
     store_page_view,
 )
 from hkv_jax.planner import KVCacheConfig
-from hkv_jax.spec import AttentionSpec, ChunkedLocalSpec, SlidingWindowSpec
 from kernels_pallas.positions import query_positions
 from kernels_pallas.reference import AttentionParams
 
@@ -86,7 +85,7 @@ def check_kernel(config: KVCacheConfig, impl: str, max_blocks: int) -> None:
     if impl not in kernels_pallas.IMPLS:
         raise ValueError(f"unknown impl {impl!r}; choose one of {', '.join(kernels_pallas.IMPLS)}")
     for g in config.groups:
-        if not isinstance(g.spec, AttentionSpec) or impl == "auto":
+        if not g.spec.paged_kv or impl == "auto":
             continue
         shape = (config.num_blocks * g.layers_per_slot, 2, g.spec.num_kv_heads, g.block_size, g.spec.head_size)
         support = kernels_pallas.supports(impl, shape, g.spec.dtype, g.spec.num_kv_heads, max_blocks)
@@ -102,8 +101,8 @@ def layer_params(cache: KVCache, layer: str, *, sm_scale: float | None = None,
     spec = cache.layout.slot(layer).spec
     return AttentionParams(
         sm_scale=sm_scale,
-        sliding_window=spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
-        chunk_size=spec.attention_chunk_size if isinstance(spec, ChunkedLocalSpec) else None,
+        sliding_window=spec.window,
+        chunk_size=spec.chunk,
         soft_cap=soft_cap,
     )
 

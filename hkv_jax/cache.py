@@ -62,9 +62,7 @@ class LayerSlot:
     @property
     def used_bytes(self) -> int:
         """Bytes of each page this layer uses (attention) or of its whole state (Mamba)."""
-        if isinstance(self.spec, MambaSpec):
-            return self.spec.state_bytes
-        return self.spec.page_size_bytes(self.block_size)
+        return self.spec.page_size_bytes(self.block_size)  # a Mamba spec's page is its state
 
 
 @dataclass(frozen=True)
@@ -100,7 +98,7 @@ class CacheLayout:
 
         def splits(t: int) -> bool:  # not a tensor of shared slots: a page's parts are its layers, not heads
             return layout.page_size_bytes % part == 0 and all(
-                isinstance(s.spec, AttentionSpec) and s.spec.num_kv_heads % model_shards == 0
+                s.spec.paged_kv and s.spec.num_kv_heads % model_shards == 0
                 and s.used_bytes % part == 0 and s.layers_per_slot == 1 for s in slots.values() if s.tensor == t)
 
         return replace(layout, shards=tuple(model_shards if model_shards > 1 and splits(t) else 1
@@ -129,7 +127,7 @@ class CacheLayout:
         Why the KV dtype: a layer's page view of such a buffer is a reshape, while a ``bitcast_convert``
         between word and KV dtype is a copy of the whole buffer on XLA:CPU (about a third of a Gemma 3
         270M decode step went to six of them)."""
-        kv = {jnp.dtype(s.spec.dtype) for _, s in self.slots if isinstance(s.spec, AttentionSpec)}
+        kv = {jnp.dtype(s.spec.dtype) for _, s in self.slots if s.spec.paged_kv}
         if len(kv) == 1 and self.page_size_bytes % next(iter(kv)).itemsize == 0:
             return next(iter(kv))
         return jnp.dtype(next(w for b, w in _WORDS if self.page_size_bytes % b == 0))
@@ -213,7 +211,7 @@ def _attention_view_shape(slot: LayerSlot) -> tuple[int, ...]:
 
 def _attention_slot(layout: CacheLayout, layer: str) -> LayerSlot:
     slot = layout.slot(layer)
-    if not isinstance(slot.spec, AttentionSpec):
+    if not slot.spec.paged_kv:
         raise TypeError(f"layer {layer!r} is a Mamba layer; use read_mamba_state")
     return slot
 
@@ -297,7 +295,7 @@ def _state_fields(spec: MambaSpec) -> list[tuple[int, int, tuple[int, ...], str]
 
 def _mamba_slot(layout: CacheLayout, layer: str, block_ids: jax.Array) -> LayerSlot:
     slot = layout.slot(layer)
-    if not isinstance(slot.spec, MambaSpec):
+    if not slot.spec.recurrent:
         raise TypeError(f"layer {layer!r} is not a Mamba layer")
     if block_ids.ndim != 2 or block_ids.shape[1] != slot.blocks_per_state:
         raise ValueError(f"layer {layer!r}: block_ids must be [requests, {slot.blocks_per_state}], "

@@ -29,7 +29,6 @@ from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.pretrained import INSTALL_HINT, is_pretrained, load_pretrained
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 from hkv_jax.planner import cdiv, plan
-from hkv_jax.spec import MambaSpec
 
 TINY_MODELS = ("tiny-gemma3", "tiny-gemma4", "tiny-gptoss", "tiny-llama4", "tiny-jamba")
 DEFAULT_REAL, DEFAULT_TINY = "gemma-3-270m", "tiny-gemma3"
@@ -142,8 +141,8 @@ def _bar(done: int, total: int, extra: str) -> None:
 def _all_full_attention(layers):
     """The comparison model: every layer full attention (a Mamba layer counted as the model's first
     attention layer, since it has no KV of its own to measure)."""
-    attn = next(l for l in layers if not isinstance(l, MambaSpec))
-    return [replace(attn, name=l.name) if isinstance(l, MambaSpec) else l for l in layers]
+    attn = next(l for l in layers if not l.recurrent)
+    return [replace(attn, name=l.name) if l.recurrent else l for l in layers]
 
 
 class _Chat:

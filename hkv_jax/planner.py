@@ -35,14 +35,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hkv_jax.spec import (
-    AttentionSpec,
-    ChunkedLocalSpec,
-    FullAttentionSpec,
-    KVSharingSpec,
     KVSpec,
     LayerSpec,
-    MambaSpec,
-    SlidingWindowSpec,
 )
 
 POLICIES = ("vllm", "min-waste", "naive")
@@ -88,21 +82,13 @@ class KVCacheGroup:
 
     def used_bytes_per_slot(self) -> float:
         """Bytes of a page slot that hold data (the rest is padding)."""
-        if isinstance(self.spec, MambaSpec):
+        if self.spec.recurrent:
             return self.spec.state_bytes / self.blocks_per_state
         return self.spec.page_size_bytes(self.block_size)
 
     def blocks_per_request(self, num_tokens: int) -> int:
         """Blocks a decoding request of ``num_tokens`` tokens holds in this group (upper bound)."""
-        spec, bs = self.spec, self.block_size
-        all_blocks = cdiv(num_tokens, bs)
-        if isinstance(spec, SlidingWindowSpec):
-            return min(all_blocks, cdiv(spec.sliding_window - 1, bs) + 1)
-        if isinstance(spec, ChunkedLocalSpec):
-            return min(all_blocks, cdiv(spec.attention_chunk_size, bs) + 1)
-        if isinstance(spec, MambaSpec):
-            return self.blocks_per_state
-        return all_blocks
+        return self.spec.blocks_held(num_tokens, self.block_size, self.blocks_per_state)
 
 
 def merge_parts(parts: tuple[tuple[int, ...], ...], rows: list[list[int]]) -> list[list[int]]:
@@ -287,22 +273,14 @@ def _validate_layers(layers: Sequence[LayerSpec]) -> None:
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise ValueError(f"duplicate layer names: {sorted(dup)}")
-    owners = {l.name for l in layers if not isinstance(l, KVSharingSpec)}
+    owners = {l.name for l in layers if l.owns_kv}
     for l in layers:
-        if isinstance(l, KVSharingSpec) and l.target not in owners:
+        if not l.owns_kv and l.target not in owners:
             raise ValueError(
                 f"layer {l.name!r}: kv sharing target {l.target!r} is not a layer with its own KV cache"
             )
     if not owners:
         raise ValueError("no layer owns a KV cache")
-
-
-def _as_full(spec: KVSpec) -> KVSpec:
-    if isinstance(spec, AttentionSpec) and not isinstance(spec, FullAttentionSpec):
-        return FullAttentionSpec(
-            name=spec.name, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=spec.dtype
-        )
-    return spec
 
 
 def _buckets(specs: Sequence[KVSpec]) -> list[list[KVSpec]]:
@@ -356,7 +334,7 @@ def _group(buckets: list[list[KVSpec]], policy: str, sizes, page: int) -> list[K
                 spec=spec,
                 layer_names=tuple(m.name for m in members),
                 block_size=sizes(spec)[0],
-                blocks_per_state=cdiv(spec.state_bytes, page) if isinstance(spec, MambaSpec) else 1,
+                blocks_per_state=cdiv(spec.state_bytes, page) if spec.recurrent else 1,
                 layers_per_slot=r,
             ))
     return groups
@@ -388,11 +366,11 @@ def plan(
     if (memory_bytes is None) == (num_blocks is None):
         raise ValueError("give exactly one of memory_bytes and num_blocks")
     _validate_layers(layers)
-    owning: list[KVSpec] = [l for l in layers if not isinstance(l, KVSharingSpec)]
+    owning: list[KVSpec] = [l for l in layers if l.owns_kv]
     if policy == "naive":
-        owning = [_as_full(s) for s in owning]
-    attn = [s for s in owning if isinstance(s, AttentionSpec)]
-    mamba = [s for s in owning if isinstance(s, MambaSpec)]
+        owning = [s.as_full() for s in owning]
+    attn = [s for s in owning if s.paged_kv]
+    mamba = [s for s in owning if s.recurrent]
     notes: dict[str, Any] = {}
 
     # 1. The attention block size and the unified page size.
@@ -411,7 +389,7 @@ def plan(
 
     def sizes_of(spec: KVSpec, pack: bool) -> tuple[int, int]:
         """(block size, layers per page slot) of a layer of ``spec``."""
-        if isinstance(spec, MambaSpec):
+        if spec.recurrent:
             return attn_block, 1
         own = spec.page_size_bytes(attn_block)
         if page % own:  # a page that does not divide the unified page is padded
@@ -430,7 +408,7 @@ def plan(
     group_size = max(g.num_slots for g in groups)
 
     # 3. KV-sharing layers join their target's group.
-    sharing = tuple((l.name, l.target) for l in layers if isinstance(l, KVSharingSpec))
+    sharing = tuple((l.name, l.target) for l in layers if not l.owns_kv)
     for name, target in sharing:
         gi = next(i for i, g in enumerate(groups) if target in g.layer_names)
         groups[gi] = replace(groups[gi], shared_layer_names=groups[gi].shared_layer_names + (name,))

@@ -35,7 +35,6 @@ from flax import nnx
 
 from hkv_jax.attention import AttentionMetadata
 from hkv_jax.cache import KVCache, read_mamba_state, write_mamba_state
-from hkv_jax.spec import MambaSpec
 from kernels_pallas.positions import query_positions
 
 
@@ -47,7 +46,7 @@ def state_blocks(cache: KVCache, layer: str, metadata: AttentionMetadata):
     ``active: bool[S]`` those with at least one token in the step.
     """
     slot = cache.layout.slot(layer)
-    if not isinstance(slot.spec, MambaSpec):
+    if not slot.spec.recurrent:
         raise TypeError(f"layer {layer!r} is not a Mamba layer")
     q_len, start = _step_span(metadata)
     return (state_entry(cache, layer, metadata, start), state_entry(cache, layer, metadata, metadata.seq_lens),

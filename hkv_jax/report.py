@@ -7,7 +7,7 @@ from typing import Any
 
 from hkv_jax.cache import CacheLayout
 from hkv_jax.planner import POLICIES, KVCacheConfig, plan
-from hkv_jax.spec import KVSharingSpec, LayerSpec
+from hkv_jax.spec import LayerSpec
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
@@ -144,7 +144,7 @@ def plan_json(model: str, layers, chosen: KVCacheConfig, others: dict[str, KVCac
         "model": model,
         "num_layers": len(layers),
         "layer_kinds": dict(Counter(l.kind for l in layers)),
-        "kv_sharing_layers": sum(isinstance(l, KVSharingSpec) for l in layers),
+        "kv_sharing_layers": sum(not l.owns_kv for l in layers),
         "plan": chosen.to_dict(max_model_len),
         "compare": {
             name: {k: v for k, v in p.to_dict(max_model_len).items() if k not in ("groups", "tensors", "kv_sharing")}

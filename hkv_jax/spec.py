@@ -5,6 +5,17 @@ spec is a frozen dataclass; the layer ``name`` does not take part in equality,
 so two layers with the same shape and attention type compare equal and can be
 put in one KV cache group by the planner.
 
+Each spec type states its own rules as class attributes and methods, so that
+the planner, the cache, the attention and the models ask the spec instead of
+testing its type: ``owns_kv`` (it has a KV cache of its own), ``paged_kv`` (its
+K/V sit in pages, one row per token: the attention types), ``recurrent`` (one
+state per request: Mamba), ``keeps_every_token`` (full attention), ``window``
+and ``chunk`` (the attention mask's bounds), ``blocks_held`` (blocks a request
+holds) and ``as_full`` (the same layer as full attention, for comparisons). The
+allocator's rules per type (hits, releases) are its managers'
+(``allocator/managers.py``); ``allocator/pymodel.py`` states every rule again,
+independently, as the oracle.
+
 Byte sizes follow the design doc's vocabulary: an attention layer stores
 ``2 * num_kv_heads * head_size * itemsize`` bytes per token (K and V), so a
 block of ``block_size`` tokens takes ``page_size_bytes(block_size)`` bytes of
@@ -53,6 +64,10 @@ class AttentionSpec:
     """Common fields of the attention specs (K/V shape of one layer)."""
 
     kind: ClassVar[str] = "attention"
+    owns_kv: ClassVar[bool] = True
+    paged_kv: ClassVar[bool] = True
+    recurrent: ClassVar[bool] = False
+    keeps_every_token: ClassVar[bool] = False
     num_kv_heads: int
     head_size: int
     dtype: str = "bfloat16"
@@ -73,6 +88,26 @@ class AttentionSpec:
         """Bytes one block of ``block_size`` tokens takes in this layer."""
         return block_size * self.bytes_per_token
 
+    @property
+    def window(self) -> int | None:
+        """The sliding window (a token sees itself and ``window - 1`` earlier tokens), if any."""
+        return None
+
+    @property
+    def chunk(self) -> int | None:
+        """The attention chunk (tokens see their aligned chunk only), if any."""
+        return None
+
+    def blocks_held(self, num_tokens: int, block_size: int, blocks_per_state: int = 1) -> int:
+        """Blocks a decoding request of ``num_tokens`` tokens holds in a group of this layer (upper bound)."""
+        del blocks_per_state
+        return -(-num_tokens // block_size)
+
+    def as_full(self) -> "FullAttentionSpec":
+        """This layer as full attention (what an all-full-attention cache would hold)."""
+        return FullAttentionSpec(name=self.name, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                                 dtype=self.dtype)
+
     def to_dict(self) -> dict[str, Any]:
         """The layer as a trace-format layer object (``docs/trace-format.md``)."""
         d: dict[str, Any] = {"name": self.name, "type": self.kind}
@@ -87,6 +122,7 @@ class FullAttentionSpec(AttentionSpec):
     """Full (global) causal attention: keeps KV for every token."""
 
     kind: ClassVar[str] = "full"
+    keeps_every_token: ClassVar[bool] = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +136,15 @@ class SlidingWindowSpec(AttentionSpec):
         super().__post_init__()
         _positive_int(self.sliding_window, "sliding_window", _where(self.name))
 
+    @property
+    def window(self) -> int:
+        return self.sliding_window
+
+    def blocks_held(self, num_tokens: int, block_size: int, blocks_per_state: int = 1) -> int:
+        """The window's blocks, one more where it straddles a boundary."""
+        del blocks_per_state
+        return min(-(-num_tokens // block_size), -(-(self.sliding_window - 1) // block_size) + 1)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ChunkedLocalSpec(AttentionSpec):
@@ -112,6 +157,15 @@ class ChunkedLocalSpec(AttentionSpec):
         super().__post_init__()
         _positive_int(self.attention_chunk_size, "attention_chunk_size", _where(self.name))
 
+    @property
+    def chunk(self) -> int:
+        return self.attention_chunk_size
+
+    def blocks_held(self, num_tokens: int, block_size: int, blocks_per_state: int = 1) -> int:
+        """The current chunk's blocks, one more where it starts inside a block."""
+        del blocks_per_state
+        return min(-(-num_tokens // block_size), -(-self.attention_chunk_size // block_size) + 1)
+
 
 @dataclass(frozen=True, kw_only=True)
 class MambaSpec:
@@ -122,6 +176,12 @@ class MambaSpec:
     """
 
     kind: ClassVar[str] = "mamba"
+    owns_kv: ClassVar[bool] = True
+    paged_kv: ClassVar[bool] = False
+    recurrent: ClassVar[bool] = True
+    keeps_every_token: ClassVar[bool] = False
+    window: ClassVar[None] = None
+    chunk: ClassVar[None] = None
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     name: str = field(default="", compare=False)
@@ -155,6 +215,15 @@ class MambaSpec:
         del block_size
         return self.state_bytes
 
+    def blocks_held(self, num_tokens: int, block_size: int, blocks_per_state: int = 1) -> int:
+        """One state, whatever the tokens: ``blocks_per_state`` pages."""
+        del num_tokens, block_size
+        return blocks_per_state
+
+    def as_full(self) -> "MambaSpec":
+        """A state is a state under any attention: itself."""
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         """The layer as a trace-format layer object."""
         return {
@@ -170,6 +239,10 @@ class KVSharingSpec:
     """A layer that reads another (earlier) layer's KV cache and owns none."""
 
     kind: ClassVar[str] = "kv_sharing"
+    owns_kv: ClassVar[bool] = False
+    paged_kv: ClassVar[bool] = False
+    recurrent: ClassVar[bool] = False
+    keeps_every_token: ClassVar[bool] = False
     target: str
     name: str = field(default="", compare=False)
 

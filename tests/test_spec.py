@@ -61,3 +61,34 @@ def test_layers_from_trace_pattern_and_round_trip():
     assert [l.name for l in layers] == [f"model.layers.{i}.attn" for i in range(3)]
     assert [l.kind for l in layers] == ["full", "sliding_window", "full"]
     assert all(layer_from_dict(l.to_dict()) == l for l in layers)
+
+
+def test_each_layer_type_states_its_rules_and_the_allocator_finds_its_manager():
+    """The rules a layer type carries (spec.py) and its allocator manager (``managers.manager``), against the
+    plain-Python model's own statement of the tokens each type skips (``pymodel.skipped_tokens``)."""
+    import jax.numpy as jnp
+
+    from hkv_jax.allocator import pymodel
+    from hkv_jax.allocator.managers import manager
+    from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, KVSharingSpec, MambaSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(num_kv_heads=2, head_size=8)
+    window = SlidingWindowSpec(num_kv_heads=2, head_size=8, sliding_window=10)
+    chunk = ChunkedLocalSpec(num_kv_heads=2, head_size=8, attention_chunk_size=12)
+    mamba = MambaSpec(shapes=((3, 4),), dtypes=("float32",))
+    sharing = KVSharingSpec(name="b", target="a")
+    assert [(s.owns_kv, s.paged_kv, s.recurrent, s.keeps_every_token) for s in (full, window, chunk, mamba, sharing)] \
+        == [(True, True, False, True), (True, True, False, False), (True, True, False, False),
+            (True, False, True, False), (False, False, False, False)]
+    assert [(s.window, s.chunk) for s in (full, window, chunk, mamba)] == [(None, None), (10, None), (None, 12),
+                                                                          (None, None)]
+    # Blocks a request of 100 tokens holds with 4-token blocks (Mamba: its state's 3 pages).
+    assert [s.blocks_held(100, 4, 3) for s in (full, window, chunk, mamba)] == [25, 4, 4, 3]
+    assert window.as_full() == FullAttentionSpec(num_kv_heads=2, head_size=8) and mamba.as_full() is mamba
+    for spec in (full, window, chunk, mamba):
+        rules = manager(spec)
+        for n in (1, 9, 10, 11, 24, 25, 100):
+            assert int(rules.skipped_tokens(spec, jnp.int32(n))) == pymodel.skipped_tokens(spec, n), (spec, n)
+        assert rules.windowed == (spec.window is not None or spec.chunk is not None)
+    with pytest.raises(ValueError, match="no allocator rules for layer type KVSharingSpec"):
+        manager(sharing)

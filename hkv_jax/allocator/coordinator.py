@@ -25,7 +25,6 @@ from hkv_jax.allocator.managers import allocation, hit_blocks, release_row, skip
 from hkv_jax.allocator.requests import append_batch
 from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout, for_each_group
 from hkv_jax.planner import cdiv
-from hkv_jax.spec import FullAttentionSpec
 
 
 def block_sizes(layout: Layout) -> jax.Array:
@@ -90,7 +89,7 @@ def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: ja
         b, cur = hit_blocks(spec, layout.block_sizes[sg[0]], unit, found[jnp.array(sg)], all_found[k], cur)
         blocks = blocks.at[jnp.array(sg)].set(b)
         longest = jnp.maximum(longest, cur)
-        if isinstance(spec, FullAttentionSpec):
+        if spec.keeps_every_token:
             full_len[k] = cur
 
     def one_pass(carry):

@@ -14,7 +14,6 @@ from hkv_jax.allocator import block_pool, free_queue, prefix_cache
 from hkv_jax.allocator.coordinator import cacheable_tokens, schedule_batch
 from hkv_jax.allocator.managers import allocation, release_row, skipped_tokens
 from hkv_jax.allocator.state import RUNNING, AllocatorState, Layout, cond_mutable, counter, set_counters, switch_mutable
-from hkv_jax.spec import FullAttentionSpec
 
 
 class DecodePath(enum.IntEnum):
@@ -104,7 +103,7 @@ def idle_decode(layout: Layout, state: AllocatorState, slots) -> tuple[Allocator
 
 def _release_groups(layout: Layout) -> list[int]:
     """The groups that may release blocks in a decode step (out of the window or chunk; Mamba states)."""
-    return [g for g in range(layout.num_groups) if not isinstance(layout.groups[g].spec, FullAttentionSpec)]
+    return [g for g in range(layout.num_groups) if not layout.groups[g].spec.keeps_every_token]
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hkv_jax.allocator import block_pool
+from hkv_jax.allocator.managers import manager
 from hkv_jax.planner import KVCacheConfig, cdiv
-from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 # Request slot status.
 EMPTY, WAITING, RUNNING = 0, 1, 2
@@ -133,7 +133,7 @@ class Layout:
                     break
             else:
                 spec_groups.append([g.group_id])
-        spec_groups.sort(key=lambda sg: not isinstance(groups[sg[0]].spec, FullAttentionSpec))
+        spec_groups.sort(key=lambda sg: not groups[sg[0]].spec.keeps_every_token)
         sizes = tuple(g.block_size for g in groups)
         return Layout(
             groups=groups,
@@ -146,7 +146,7 @@ class Layout:
             max_requests=max_requests,
             max_blocks=cdiv(max_model_len, min(sizes)) + 1,
             spec_groups=tuple(tuple(sg) for sg in spec_groups),
-            simple_hybrid=len(spec_groups) == 2 and isinstance(groups[spec_groups[0][0]].spec, FullAttentionSpec),
+            simple_hybrid=len(spec_groups) == 2 and groups[spec_groups[0][0]].spec.keeps_every_token,
             window_aware_eviction=window_aware_eviction,
         )
 
@@ -180,14 +180,10 @@ class Layout:
 
     def reachable(self, g: int, n: int) -> np.ndarray:
         """``bool[n]``: which of group ``g``'s first ``n`` blocks can ever serve a hit, so are cached (dense
-        retention). Hits end on multiples of the scheduling unit, and a sliding window that needs fewer
-        blocks than one unit holds is only looked up from there: only its last blocks before each
-        multiple can serve one. Every block elsewhere."""
+        retention): the group's manager says (``managers.py``; a sliding window's last blocks before each
+        multiple of the scheduling unit, every block elsewhere)."""
         spec, bs = self.groups[g].spec, self.block_sizes[g]
-        if not isinstance(spec, SlidingWindowSpec):
-            return np.ones(n, bool)
-        segment = self.scheduler_block_size // bs
-        return np.arange(n) % segment >= segment - max(cdiv(spec.sliding_window - 1, bs), 1)
+        return manager(spec).reachable(spec, bs, self.scheduler_block_size // bs, n)
 
     def config_tables(self, tables):
         """Per-KV-cache-group tables ``[..., M * k]`` from ``tables: [..., G, M]`` (numpy or jax).
@@ -215,7 +211,7 @@ class Layout:
 
     def is_mamba(self, g: int) -> bool:
         """Whether group ``g`` holds Mamba states."""
-        return isinstance(self.groups[g].spec, MambaSpec)
+        return self.groups[g].spec.recurrent
 
     @property
     def mamba_groups(self) -> tuple[int, ...]:
@@ -236,7 +232,7 @@ class Layout:
 
     def evicts_early(self, g: int) -> bool:
         """Whether blocks leaving group ``g``'s window go to the queue front (window-aware eviction)."""
-        return self.window_aware_eviction and isinstance(self.groups[g].spec, (SlidingWindowSpec, ChunkedLocalSpec))
+        return self.window_aware_eviction and manager(self.groups[g].spec).windowed
 
 
 @jax.tree_util.register_dataclass

@@ -28,7 +28,7 @@ from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
 from hkv_jax.models.layers import RMSNorm, capped, dense_attention, rope
 from hkv_jax.models.quant import two_rows_at_least
-from hkv_jax.spec import AttentionSpec, LayerSpec, SlidingWindowSpec
+from hkv_jax.spec import LayerSpec
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Gemma3Config:
         if not str(cfg.get("model_type", "")).startswith("gemma3"):
             raise ValueError(f"not a Gemma 3 config (model_type {cfg.get('model_type')!r})")
         layers = layers_from_hf_config(config, dtype=kv_dtype)
-        if not all(isinstance(l, AttentionSpec) for l in layers):
+        if not all(l.paged_kv for l in layers):
             raise ValueError("Gemma 3 layers are attention layers only")
         rope = cfg.get("rope_parameters") or {}
         heads = cfg["num_attention_heads"]
@@ -88,7 +88,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: Gemma3Config, index: int, rngs: nnx.Rngs):
         spec = cfg.layers[index]
         self.cfg, self.name = cfg, spec.name
-        self.window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        self.window = spec.window
         self.theta = cfg.rope_local_theta if self.window is not None else cfg.rope_theta
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_proj = _linear(h, cfg.num_heads * d, cfg, rngs)

@@ -33,7 +33,7 @@ from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
 from hkv_jax.models.layers import capped, dense_attention, rope
 from hkv_jax.models.mamba2 import Mamba2, Mamba2Config
-from hkv_jax.spec import ChunkedLocalSpec, FullAttentionSpec, KVSharingSpec, LayerSpec, MambaSpec, SlidingWindowSpec
+from hkv_jax.spec import LayerSpec
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class TinyConfig:
         cfg = text_config(config)
         layers = layers_from_hf_config(config, dtype=kv_dtype)
         mamba = None
-        if any(isinstance(l, MambaSpec) for l in layers):
+        if any(l.recurrent for l in layers):
             if "mamba_n_heads" not in cfg:
                 raise ValueError("tiny models support Mamba-2 layers only (mamba_n_heads, mamba_d_head, ...)")
             mamba = Mamba2Config(hidden_size=cfg["hidden_size"], num_heads=cfg["mamba_n_heads"],
@@ -88,13 +88,13 @@ class TinyConfig:
     def kv_source(self, i: int) -> int:
         """The layer whose KV layer ``i`` attends over: itself, or the target of a KV-sharing layer."""
         spec = self.layers[i]
-        if isinstance(spec, KVSharingSpec):
+        if not spec.owns_kv:
             return next(j for j, l in enumerate(self.layers) if l.name == spec.target)
         return i
 
     def is_global(self, i: int) -> bool:
         """Whether layer ``i`` (or the layer whose KV it reads) is a full-attention layer."""
-        return isinstance(self.layers[self.kv_source(i)], FullAttentionSpec)
+        return self.layers[self.kv_source(i)].keeps_every_token
 
     def head_shape(self, i: int) -> tuple[int, int]:
         """(KV heads, head size) of layer ``i``: full-attention layers may have their own (Gemma 4)."""
@@ -105,8 +105,7 @@ class TinyConfig:
     def window(self, i: int) -> tuple[int | None, int | None]:
         """(sliding window, chunk size) of layer ``i``."""
         spec = self.layers[self.kv_source(i)]
-        return (spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
-                spec.attention_chunk_size if isinstance(spec, ChunkedLocalSpec) else None)
+        return spec.window, spec.chunk
 
 
 class Attention(nnx.Module):
@@ -170,7 +169,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: TinyConfig, index: int, rngs: nnx.Rngs):
         spec = cfg.layers[index]
         self.mixer_norm = nnx.RMSNorm(cfg.hidden_size, rngs=rngs)
-        self.mixer = (Mamba2(cfg.mamba, spec.name, rngs) if isinstance(spec, MambaSpec)
+        self.mixer = (Mamba2(cfg.mamba, spec.name, rngs) if spec.recurrent
                       else Attention(cfg, index, rngs))
         self.mlp_norm = nnx.RMSNorm(cfg.hidden_size, rngs=rngs)
         self.gate = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, rngs=rngs)
