@@ -53,7 +53,8 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.cache import init_cache
 from hkv_jax.engine.runner import DECODE_STEPS, STEP
-from hkv_jax.engine.step import SAMPLING, EngineState, StepPlan, StepStatic
+from hkv_jax.engine.step import EngineState, StepStatic
+from hkv_jax.engine.step_messages import SAMPLING, StepPlan
 from hkv_jax.models.gemma3 import Gemma3Config, Gemma3LM
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.tiny import TinyConfig, TinyLM

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from hkv_jax.engine import FinishReason, SamplingParams, Scheduler, StepReport, check_stop
 from hkv_jax.engine.request import may_stop
-from hkv_jax.engine.step import REPORT_ROWS
+from hkv_jax.engine.step_messages import REPORT_ROWS
 
 
 def test_sampling_params_are_checked_once_when_built_and_against_the_engine():
@@ -183,7 +183,7 @@ def _imports(module: str) -> set[str]:
     return seen
 
 
-def test_the_scheduler_imports_no_step_program_and_the_layers_no_kernel_oracle_for_positions():
+def test_the_scheduler_imports_without_jax_and_the_layers_no_kernel_oracle_for_positions():
     """The scheduler is host code: it reaches neither the step program, the models nor the kernels (its
     message to the runner, ``Changes``, lives on its own); the step, attention and recurrent layers read
     the ragged batch's positions from ``kernels_pallas.positions``."""
@@ -192,3 +192,12 @@ def test_the_scheduler_imports_no_step_program_and_the_layers_no_kernel_oracle_f
     assert not {m for m in scheduler if m.startswith(("hkv_jax.engine.step", "flax", "kernels_pallas"))}, scheduler
     for module in ("hkv_jax.engine.step", "hkv_jax.attention", "hkv_jax.recurrent"):
         assert "kernels_pallas.positions" in _imports(module), module
+    # With jax missing altogether, the scheduler still imports (through the package's lazy names).
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['jax'] = None\n"
+                           "from hkv_jax.engine.scheduler import Scheduler, SchedulerOutput\n"
+                           "from hkv_jax.engine import SamplingParams\n"
+                           "assert not [m for m in sys.modules if m.startswith(('jax.', 'flax', 'kernels_pallas'))]"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -20,7 +20,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 import kernels_pallas
 from hkv_jax.engine import Engine
 from hkv_jax.engine.runner import DECODE_STEPS, STEP
-from hkv_jax.engine.step import StepPlan
+from hkv_jax.engine.step_messages import StepPlan
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
 from hkv_jax.models.presets import preset_names, resolve_model
 from hkv_jax.models.tiny import TinyConfig, TinyLM

@@ -1,16 +1,31 @@
 """Serving, in vLLM v1's layering: ``Engine`` (``engine.py``) in front of a ``Scheduler`` (host only), a
-``ModelRunner`` (the jitted step programs, ``step.py``) and an ``OutputProcessor``."""
+``ModelRunner`` (the jitted step programs, ``step.py``) and an ``OutputProcessor``.
 
-from hkv_jax.engine.config import EngineConfig
-from hkv_jax.engine.engine import Engine
-from hkv_jax.engine.request import FinishReason, Request, RequestStatus, check_stop
-from hkv_jax.engine.sampler import sample
-from hkv_jax.engine.sampling_params import SamplingParams
-from hkv_jax.engine.scheduler import Scheduler, SchedulerOutput
-from hkv_jax.engine.speculative import DraftModelSpec, NgramSpec
-from hkv_jax.engine.stats import KVUsage, Stats
-from hkv_jax.engine.step import EngineState, StepOutput, StepPlan, StepReport, step
+The names below load on first use, so that the host-only modules (``scheduler``, ``request``,
+``sampling_params``, ``changes``) import without jax.
+"""
 
-__all__ = ["DraftModelSpec", "Engine", "EngineConfig", "EngineState", "FinishReason", "KVUsage", "NgramSpec",
-           "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerOutput", "Stats", "StepOutput",
-           "StepPlan", "StepReport", "check_stop", "sample", "step"]
+from __future__ import annotations
+
+import importlib
+
+_HOMES = {
+    "EngineConfig": "config", "Engine": "engine", "FinishReason": "request", "Request": "request",
+    "RequestStatus": "request", "check_stop": "request", "sample": "sampler", "SamplingParams": "sampling_params",
+    "Scheduler": "scheduler", "SchedulerOutput": "scheduler", "DraftModelSpec": "speculative",
+    "NgramSpec": "speculative", "KVUsage": "stats", "Stats": "stats", "EngineState": "step",
+    "StepOutput": "step_messages", "StepPlan": "step_messages", "StepReport": "step_messages",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

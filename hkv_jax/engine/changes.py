@@ -1,15 +1,16 @@
 """``Changes``: the scheduler's releases and admissions of one step, as the step program takes them.
 
-A message from the scheduler (plain Python and numpy) to the runner's jitted ``prepare``: a pytree of
-arrays, and nothing else of the step, so the scheduler does not import the step program; and the sizes
-of its prompt buffer, which the runner compiles ``prepare`` for.
+A message from the scheduler (plain Python and numpy) to the runner's jitted ``prepare``: numpy arrays,
+and nothing else of the step, so the scheduler imports neither the step program nor jax (``step.py``
+registers ``Changes`` as a pytree); and the sizes of its prompt buffer, which the runner compiles
+``prepare`` for.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax
+import numpy as np
 
 # New prompts travel in a flat buffer of a power-of-two size, at least this many tokens: few shapes of
 # the (small) prepare program.
@@ -26,7 +27,6 @@ def prompt_buffers(tokens: int) -> list[int]:
     return [MIN_PROMPT_BUFFER << i for i in range((prompt_buffer(tokens) // MIN_PROMPT_BUFFER).bit_length())]
 
 
-@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Changes:
     """Releases and admissions of one step (``R`` request slots, ``P`` prompt tokens).
@@ -36,9 +36,9 @@ class Changes:
     ``salts: u32[R]`` their cache salts.
     """
 
-    free: jax.Array
-    preempt: jax.Array
-    slots: jax.Array
-    prompts: jax.Array
-    lens: jax.Array
-    salts: jax.Array
+    free: np.ndarray
+    preempt: np.ndarray
+    slots: np.ndarray
+    prompts: np.ndarray
+    lens: np.ndarray
+    salts: np.ndarray

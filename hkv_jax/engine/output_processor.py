@@ -18,7 +18,7 @@ from hkv_jax.engine.request import Request, check_stop, may_stop
 from hkv_jax.engine.scheduler import Scheduler, SchedulerOutput
 from hkv_jax.engine.speculative import keeps_drafting
 from hkv_jax.engine.stats import Stats
-from hkv_jax.engine.step import StepReport
+from hkv_jax.engine.step_messages import StepReport
 
 NO_TOKENS = (np.zeros(0, np.int64), np.zeros(0, np.int32))
 

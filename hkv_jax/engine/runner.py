@@ -25,16 +25,8 @@ from hkv_jax.engine.scheduler import SchedulerOutput
 from hkv_jax.engine.score import prompt_logprobs
 from hkv_jax.engine.speculative import DraftModelSpec, DraftModelStatic
 from hkv_jax.engine.stats import Stats
-from hkv_jax.engine.step import (
-    SAMPLING,
-    EngineState,
-    StepPlan,
-    StepReport,
-    StepStatic,
-    decode_steps,
-    prepare,
-    step,
-)
+from hkv_jax.engine.step import EngineState, StepStatic, decode_steps, prepare, step
+from hkv_jax.engine.step_messages import SAMPLING, StepPlan, StepReport
 from hkv_jax.models.protocol import ScoringModel
 from hkv_jax.sharding import param_shardings, replicated
 

@@ -45,7 +45,7 @@ class Knob:
 
 
 # The one listing of the per-request sampling values. The step's plan carries them in this order
-# (``hkv_jax.engine.step.SAMPLING`` adds the prompt length and ``min_tokens``).
+# (``hkv_jax.engine.step_messages.SAMPLING`` adds the prompt length and ``min_tokens``).
 KNOBS = (
     Knob("temperature", np.float32, 0.0, lambda x: is_number(x) and 0 <= x < math.inf, "finite and >= 0"),
     Knob("top_p", np.float32, 1.0, lambda x: is_number(x) and 0 < x <= 1, "in (0, 1]"),
