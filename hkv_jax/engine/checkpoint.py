@@ -49,12 +49,8 @@ def fork(runner: ModelRunner, scheduler: Scheduler, rid: int, seed: int | None) 
     if slot < 0:
         raise RuntimeError("no free request slot to fork into")
     runner.fork(parent.slot, slot)
-    child = copy.deepcopy(parent)
-    child.rid, child.slot, child.params = scheduler.next_id, slot, replace(parent.params, seed=seed)
-    child.computed = parent.computed // layout.scheduler_block_size * layout.scheduler_block_size
-    scheduler.next_id += 1
-    scheduler.add_running(child)
-    return child.rid
+    return scheduler.add_fork(rid, slot, replace(parent.params, seed=seed),
+                              parent.computed // layout.scheduler_block_size * layout.scheduler_block_size)
 
 
 def save(runner: ModelRunner, scheduler: Scheduler, path: str | Path) -> None:

@@ -24,7 +24,7 @@ from hkv_jax.engine.config import EngineConfig
 from hkv_jax.engine.output_processor import NO_TOKENS, OutputProcessor
 from hkv_jax.engine.request import Request
 from hkv_jax.engine.runner import ModelRunner
-from hkv_jax.engine.sampling_params import ENGINE_DEFAULTS, KNOB, SamplingParams, is_integer
+from hkv_jax.engine.sampling_params import ENGINE_DEFAULTS, KNOB, EngineDefault, SamplingParams, is_integer
 from hkv_jax.engine.scheduler import Scheduler
 from hkv_jax.engine.stats import KVUsage, Stats
 from hkv_jax.engine.step import EngineState
@@ -59,9 +59,8 @@ class Engine:
                                           num_blocks=config.num_blocks)
         need = self.kv_cache_config.blocks_per_request(config.max_model_len)
         if config.num_blocks - 1 < need:
-            raise ValueError(f"a pool of {config.num_blocks} blocks (null block included) cannot hold one request "
-                             f"of max_model_len {config.max_model_len} tokens: it needs {need} blocks besides the "
-                             f"null block")
+            raise ValueError(f"a pool of {config.num_blocks} blocks (null block included) cannot hold one request of "
+                             f"max_model_len {config.max_model_len} tokens: it needs {need} blocks and the null block")
         self.layout = Layout.from_config(self.kv_cache_config, max_model_len=config.max_model_len,
                                          max_requests=config.max_requests,
                                          window_aware_eviction=config.window_aware_eviction)
@@ -88,8 +87,7 @@ class Engine:
         self.processor = OutputProcessor(self.scheduler, self.stats, detokenize, config.num_blocks)
         self.sampling_defaults = dict(ENGINE_DEFAULTS)
         self._checked_defaults: tuple[tuple, dict] = ((), {})  # the defaults last checked, and as checked
-        self._last_order: list[int] = []  # request ids of last_output's rows
-        self._last_rows: dict[int, int] | None = None
+        self._last_order, self._last_rows = [], None  # request ids of last_output's rows, and their index
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -296,8 +294,7 @@ class Engine:
     token_budget = property(lambda self: self.config.token_budget)
     max_top_logprobs = property(lambda self: self.config.max_top_logprobs)
     max_logit_bias = property(lambda self: self.config.max_logit_bias)
+    # The defaults for requests whose SamplingParams leave a value None (ENGINE_DEFAULTS), settable.
+    temperature, top_p, top_k, min_p = EngineDefault(), EngineDefault(), EngineDefault(), EngineDefault()
+    repetition_penalty, presence_penalty, frequency_penalty = EngineDefault(), EngineDefault(), EngineDefault()
 
-
-for _name in ENGINE_DEFAULTS:  # engine.temperature, engine.top_p, ...: the defaults, settable
-    setattr(Engine, _name, property(lambda self, n=_name: self.sampling_defaults[n],
-                                    lambda self, v, n=_name: self.sampling_defaults.__setitem__(n, v)))

@@ -63,6 +63,22 @@ KNOB = {k.name: k for k in KNOBS}
 ENGINE_DEFAULTS = {k.name: k.neutral for k in KNOBS if k.name != "seed"}
 
 
+class EngineDefault:
+    """An engine attribute that reads and sets its default for one sampling value (``ENGINE_DEFAULTS``; the
+    value is checked at the next step)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        if name not in ENGINE_DEFAULTS:
+            raise TypeError(f"{name!r} is not an engine sampling default ({', '.join(ENGINE_DEFAULTS)})")
+        self.name = name
+
+    def __get__(self, engine, owner=None):
+        return self if engine is None else engine.sampling_defaults[self.name]
+
+    def __set__(self, engine, value) -> None:
+        engine.sampling_defaults[self.name] = value
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling and stopping (vLLM's ``SamplingParams``).

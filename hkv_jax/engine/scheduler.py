@@ -15,6 +15,7 @@ Everything here is plain Python and numpy: ``Scheduler`` is built and tested wit
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -95,11 +96,16 @@ class Scheduler:
         self.waiting.append(rid)
         return rid
 
-    def add_running(self, r: Request) -> None:
-        """Put ``r``, which holds slot ``r.slot`` in the allocator already (a fork), in the batch."""
-        self._requests[r.rid] = r
-        self.running.append(r.rid)
+    def add_fork(self, parent: int, slot: int, params, computed: int) -> int:
+        """A running copy of running request ``parent`` in ``slot``, which the allocator has already forked
+        the parent into, sampling with ``params`` and ``computed`` tokens computed; returns its id."""
+        child = copy.deepcopy(self.requests[parent])
+        child.rid, child.slot, child.params, child.computed = self.next_id, slot, params, computed
+        self.next_id += 1
+        self._requests[child.rid] = child
+        self.running.append(child.rid)
         self._running_changed()
+        return child.rid
 
     def forget(self, rid: int) -> Request:
         """Drop finished request ``rid`` and return it. ``ValueError`` while it is not done."""
