@@ -201,3 +201,28 @@ def test_the_scheduler_imports_without_jax_and_the_layers_no_kernel_oracle_for_p
                            "assert not [m for m in sys.modules if m.startswith(('jax.', 'flax', 'kernels_pallas'))]"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_every_sampling_value_is_a_declared_attribute_of_engines_and_requests():
+    """The engine's defaults (settable) and a request's values (read from its params) are declared, one per
+    ``KNOBS`` entry, so that a knob added there and not here fails."""
+    from hkv_jax.engine import Engine
+    from hkv_jax.engine.request import ParamsValue, Request
+    from hkv_jax.engine.sampling_params import ENGINE_DEFAULTS, KNOBS, EngineDefault
+
+    assert {n for n, v in vars(Engine).items() if isinstance(v, EngineDefault)} == set(ENGINE_DEFAULTS)
+    assert {n for n, v in vars(Request).items() if isinstance(v, ParamsValue)} == {k.name for k in KNOBS}
+    r = Request(0, [1, 2], SamplingParams(max_new_tokens=3, temperature=0.5, top_k=4))
+    assert (r.temperature, r.top_k, r.seed) == (0.5, 4, None)
+
+    class Holder:
+        temperature = EngineDefault()
+
+        def __init__(self):
+            self.sampling_defaults = dict(ENGINE_DEFAULTS)
+
+    h = Holder()
+    h.temperature = 0.7
+    assert h.temperature == h.sampling_defaults["temperature"] == 0.7
+    with pytest.raises(TypeError, match="not an engine sampling default"):
+        type("Bad", (), {"seed": EngineDefault()})

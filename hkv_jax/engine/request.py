@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from hkv_jax.engine.sampling_params import KNOBS, SamplingParams
+from hkv_jax.engine.sampling_params import KNOB, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -45,6 +45,18 @@ def may_stop(tokens_left, tokens, stop_ids, xp=np):
     ``check_stop`` then decides), which only ends a multi-step call early. ``xp``: ``numpy`` on the host,
     ``jax.numpy`` inside a program."""
     return (tokens_left <= 0) | xp.isin(tokens, stop_ids)
+
+
+class ParamsValue:
+    """A request's read-only view of one per-request sampling value of its ``SamplingParams`` (``KNOBS``)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        if name not in KNOB:
+            raise TypeError(f"{name!r} is not a sampling value ({', '.join(KNOB)})")
+        self.name = name
+
+    def __get__(self, request, owner=None):
+        return self if request is None else getattr(request.params, self.name)
 
 
 @dataclass
@@ -117,6 +129,9 @@ class Request:
         self.status, self.finish_reason, self.slot, self.finished_time = RequestStatus.FINISHED, reason, -1, now
 
     # Its params by their names (``r.max_new_tokens``, ``r.stop``, ``r.temperature`` ...), read-only.
+    temperature, top_p, top_k, min_p = ParamsValue(), ParamsValue(), ParamsValue(), ParamsValue()
+    seed, repetition_penalty, presence_penalty = ParamsValue(), ParamsValue(), ParamsValue()
+    frequency_penalty = ParamsValue()
     max_new_tokens = property(lambda self: self.params.max_new_tokens)
     stop = property(lambda self: self.params.stop)
     stop_strings = property(lambda self: self.params.stop_strings)
@@ -140,7 +155,3 @@ class Request:
         if d["top_logprobs"] is not None:
             d["top_logprobs"] = [[tuple(e) for e in row] for row in d["top_logprobs"]]
         return Request(**d)
-
-
-for _knob in KNOBS:
-    setattr(Request, _knob.name, property(lambda self, name=_knob.name: getattr(self.params, name)))
