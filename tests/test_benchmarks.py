@@ -61,6 +61,30 @@ def test_decode_profile_reads_device_busy_time_and_kernels_from_a_trace():
     assert row["top"] == [{"kernel": "norm", "calls_per_step": 0.5, "us_per_step": 4.0}]
 
 
+def test_compile_profile_counts_each_kernel_at_its_innermost_source_line():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from compile_profile import kernel_sources
+
+    # XLA's dump: the stack frame tables, then the module; frame 3's innermost location is free_queue.py:107.
+    text = "\n".join([
+        "HloModule jit_step", "", "FileNames", '1 "/r/hkv_jax/engine/step.py"',
+        '2 "/r/hkv_jax/allocator/free_queue.py"',
+        "FunctionNames", '1 "step"', '2 "compact"',
+        "FileLocations", "1 {file_name_id=1 function_name_id=1 line=40 end_line=40}",
+        "2 {file_name_id=2 function_name_id=2 line=107 end_line=107}",
+        "StackFrames", "1 {file_location_id=1 parent_frame_id=1}", "2 {file_location_id=2 parent_frame_id=1}",
+        "3 {file_location_id=2 parent_frame_id=2}", "",
+        "%fused_computation (p: s32[4]) -> s32[4] {",
+        "  %add.1 = s32[4]{0} add(%p, %p), metadata={stack_frame_id=3}",
+        "}", "ENTRY %main {",
+        '  %f.1 = s32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation, metadata={op_name="x" stack_frame_id=3}',
+        "  %f.2 = s32[4]{0} fusion(%f.1), kind=kLoop, calls=%fused_computation, metadata={stack_frame_id=1}",
+        "  %c.3 = s32[4]{0} copy(%f.2)",
+        "  %d.4 = s32[4]{0} dynamic-slice(%c.3), metadata={stack_frame_id=3}",
+        "}"])
+    assert kernel_sources(text) == {"allocator/free_queue.py:107 compact": 1, "engine/step.py:40 step": 1, "none": 1}
+
+
 def test_cpu_attention_benchmark_times_each_column_count_with_equal_outputs():
     script = str(ROOT / "benchmarks/attention_cpu.py")
     proc = subprocess.run([sys.executable, script, "--smoke", "--columns", "1,3,auto", "--repeats", "2", "--json"],

@@ -21,6 +21,7 @@ from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.cache import init_cache, mesh_model_size
 from hkv_jax.engine.changes import Changes, prompt_buffer, prompt_buffers
 from hkv_jax.engine.decode_batch import DecodeBatch
+from hkv_jax.engine.sampler import engine_key
 from hkv_jax.engine.scheduler import SchedulerOutput
 from hkv_jax.engine.score import prompt_logprobs
 from hkv_jax.engine.speculative import DraftModelSpec, DraftModelStatic
@@ -90,7 +91,7 @@ class ModelRunner:
                 self._spec_params = self.params + draft_leaves
                 speculative = DraftModelStatic(draft_graph, draft_def, speculative.num_speculative_tokens)
             self._speculative = [replace(s, speculative=speculative) for s in self.statics]
-        alloc, key = jax.device_put((init_state(layout), jax.random.PRNGKey(seed)), self.placement)
+        alloc, key = jax.device_put((init_state(layout), engine_key(seed)), self.placement)
         cache = init_cache(kv_cache_config, mesh)
         self.state = EngineState(alloc, cache if mesh is not None else jax.device_put(cache, self.placement), key)
         self._sent: tuple[np.ndarray, StepPlan] | None = None  # the last plan sent: its host data, device copy

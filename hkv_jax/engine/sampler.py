@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _per_row(x, dtype, rows: int) -> jax.Array:
@@ -20,10 +21,60 @@ def _per_row(x, dtype, rows: int) -> jax.Array:
 CANDIDATES = 1024
 
 
+# The sampler's randomness is counter-based hashing: a row's key, a seeded row's key and each token's noise
+# are a few rounds of murmur3's 32-bit finaliser over (key, counter) words. XLA fuses them into one kernel,
+# where ``jax.random``'s threefry compiled into some 40 kernels per call site on XLA:CPU (and a step program
+# holds several): a measurable share of every step program's compile time. Not cryptographic.
+_ROUNDS = (0x85EBCA6B, 0xC2B2AE35)
+_WEYL = 0x9E3779B9  # the golden ratio in 32 bits: spreads consecutive counters over the word
+
+
+def _fmix(h: jax.Array) -> jax.Array:
+    """murmur3's finaliser of a ``uint32`` array: a bijection in which each input bit flips about half the
+    output bits."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(_ROUNDS[0])
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(_ROUNDS[1])
+    return h ^ (h >> 16)
+
+
+def _hash(key: jax.Array, counter: jax.Array) -> jax.Array:
+    """``uint32`` hash of ``counter`` under ``key`` (broadcast): for one key a bijection of the counter, and
+    keys relate to one another through the nonlinear finaliser, not by a shift or xor of the counter."""
+    key, counter = jnp.asarray(key, jnp.uint32), jnp.asarray(counter).astype(jnp.uint32)
+    return _fmix(_fmix(_fmix(counter * jnp.uint32(_WEYL) + jnp.uint32(0x7F4A7C15)) ^ key) + key)
+
+
+def engine_key(seed: int) -> np.ndarray:
+    """The engine's sampling key for ``seed``: ``u32[2]``, a stream word from the seed (``_fmix`` in Python
+    integers) and a step counter that ``split_key`` advances, so two seeds' streams never run into one another."""
+    h = (seed ^ (seed >> 32)) & 0xFFFFFFFF
+    h = ((h ^ (h >> 16)) * _ROUNDS[0]) & 0xFFFFFFFF
+    h = ((h ^ (h >> 13)) * _ROUNDS[1]) & 0xFFFFFFFF
+    return np.array([h ^ (h >> 16), 0], np.uint32)
+
+
+def split_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(next key, this step's key)`` of a ``u32[2]`` key: the next one counts one step on, this step's is
+    a hash of the stream word and the count."""
+    stream, count = key[0], key[1]
+    sub = _hash(stream, count)
+    return jnp.stack([stream, count + jnp.uint32(1)]), jnp.stack([sub, _hash(sub, count ^ jnp.uint32(_WEYL))])
+
+
+def _row_keys(a: jax.Array, b: jax.Array, counter: jax.Array) -> jax.Array:
+    """``u32[B, 2]`` row keys from key words ``a, b`` and a per-row ``counter`` (``[B]``)."""
+    first = _hash(a, counter)
+    return jnp.stack([first, _hash(b, first)], axis=-1)
+
+
 def _gumbel(keys: jax.Array, ids: jax.Array) -> jax.Array:
-    """Gumbel noise ``f32[B, N]`` for token ids ``ids: i32[B, N]`` under row keys ``keys``: a token's noise
-    depends on its row's key and its id only, so a draw does not depend on how many candidates it ranks."""
-    return jax.vmap(lambda k, row: jax.vmap(lambda t: jax.random.gumbel(jax.random.fold_in(k, t)))(row))(keys, ids)
+    """Gumbel noise ``f32[B, N]`` for token ids ``ids: i32[B, N]`` under row keys ``keys: u32[B, 2]``: a token's
+    noise depends on its row's key and its id only, so a draw does not depend on how many candidates it ranks."""
+    bits = _hash(keys[:, 1:], _hash(keys[:, :1], ids))
+    u = ((bits >> 8).astype(jnp.float32) + 0.5) * np.float32(2.0**-24)  # in (0, 1), both ends excluded
+    return -jnp.log(-jnp.log(u))
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=-1,
@@ -35,9 +86,9 @@ def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_p=1.0, top_k=
     whose renormalised probability reaches ``top_p`` kept; one kept token drawn (Gumbel-max, each token's
     noise from the row's key and the token's id). A row with ``seed >= 0`` draws with the key of its seed
     and ``position`` (the index of the token it samples), so its draw does not depend on the other rows or
-    on ``key`` (a ``jax.random.PRNGKey``), whose draws differ per row. Only the ``candidates`` likeliest
-    tokens are ranked when every hot row keeps no more; otherwise the whole vocabulary is sorted (the
-    same draw either way)."""
+    on ``key`` (``u32[2]``: ``engine_key``'s, or any two words), whose draws differ per row. Only the
+    ``candidates`` likeliest tokens are ranked when every hot row keeps no more; otherwise the whole
+    vocabulary is sorted (the same draw either way)."""
     B, V = logits.shape
     column = functools.partial(_per_row, rows=B)
     temperature = column(temperature, jnp.float32)
@@ -48,8 +99,8 @@ def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_p=1.0, top_k=
         scaled = logits / jnp.maximum(temperature, 1e-6)
         k = column(top_k, jnp.int32)
         seeds, positions = column(seed, jnp.int32)[:, 0], column(position, jnp.int32)[:, 0]
-        own = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds, positions)
-        keys = jnp.where((seeds >= 0)[:, None], own, jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(B)))
+        own = _row_keys(seeds, jnp.uint32(_WEYL), positions)  # a seed's key: its seed and position only
+        keys = jnp.where((seeds >= 0)[:, None], own, _row_keys(key[0], key[1], jnp.arange(B)))
         probs = jax.nn.softmax(scaled, axis=-1)
         # min-p and top-k keep a prefix of the tokens by likelihood (the first always): its length and mass.
         floor = column(min_p, jnp.float32) * jnp.max(probs, axis=-1, keepdims=True)

@@ -49,7 +49,7 @@ from hkv_jax.attention import make_metadata
 from hkv_jax.cache import KVCache
 from hkv_jax.engine.changes import Changes
 from hkv_jax.engine.request import may_stop
-from hkv_jax.engine.sampler import bias_logits, penalize, sample
+from hkv_jax.engine.sampler import bias_logits, penalize, sample, split_key
 from hkv_jax.engine.speculative import DraftModelStatic, NgramSpec, accepted_drafts, model_drafts, ngram_drafts
 from hkv_jax.engine.step_messages import DRAFT_COLUMNS, REPORT_ROWS, StepOutput, StepPlan
 from hkv_jax.recurrent import commit_accepted
@@ -256,7 +256,7 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
 
     known = start + n                                                       # the index of the token sampled first
     do_sample = ok & (known == alloc.num_tokens[slot_of])
-    key, sub = jax.random.split(state.key)
+    key, sub = split_key(state.key)
     if static.lean:  # a lean step that applied nothing leaves everything as it was, the key too
         key = jnp.where(jnp.any(ok), key, state.key)
 
