@@ -186,6 +186,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server = CompletionServer(engine, codec or ByteCodec(), cfg.model, api_key=args.api_key)
     print(f"hkv serve: {cfg.model}, {engine.layout.max_requests} requests at once of up to "
           f"{engine.layout.max_model_len} tokens; compiling the step programs ...", file=sys.stderr)
+    if server.chat_template.template is None:
+        print(f"hkv serve: {cfg.model} has no chat template; chat requests are written in Gemma's turn format",
+              file=sys.stderr)
     host, port = server.start(args.host, args.port, warm=True)
     print(f"hkv serve: http://{host}:{port} (POST /v1/completions, /v1/chat/completions; GET /v1/models, /metrics); "
           "Ctrl-C stops", file=sys.stderr)

@@ -44,6 +44,16 @@ QUESTIONS = (
     "What makes a sauce thicken?", "How do I sharpen a kitchen knife safely?",
 )
 _USER_TURN = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
+# A base model (no chat template) continues documents, not turns: its conversations are one question-and-answer
+# sheet that every conversation shares the head of, each answer ending at its line's end.
+SHEET = ("Cooking school: questions from students, each answered by the chef in one or two sentences.\n\n"
+         "Q: How do I know when the oil is hot enough for frying?\n"
+         "A: Drop in a cube of bread; when it browns in about a minute, the oil is ready.\n\n"
+         "Q: Why do my cookies spread so much in the oven?\n"
+         "A: The butter was too soft or the dough too warm; chill the dough for half an hour before baking.\n\n"
+         "Q: Should I salt pasta water?\n"
+         "A: Yes, generously, because the pasta absorbs the salt as it cooks and tastes flat without it.\n\n")
+_QUESTION = "Q: {}\nA:"
 
 
 @dataclass(frozen=True)
@@ -146,23 +156,32 @@ def _all_full_attention(layers):
 
 
 class _Chat:
-    """The workload's prompts: random ids for a tiny model; for a real one, text in Gemma's turn format with
-    the system prompt at the head of the first user turn (the prefix every conversation shares). Each turn's
-    message comes from its own seed (conversation, turn), so the workload is the same whatever order
-    requests finish in (runs of two engines compare)."""
+    """The workload's prompts: random ids for a tiny model. For a real one, text: in Gemma's turn format with
+    the system prompt at the head of the first user turn when the model has a chat template; else (a base
+    model) a question-and-answer sheet (``SHEET``) that each conversation continues, one question a turn,
+    each answer stopping at its line's end. Either way every conversation shares the head (prefix cache
+    hits), and each turn's prompt holds the turns before it. Each turn's message comes from its own seed
+    (conversation, turn), so the workload is the same whatever order requests finish in (runs of two
+    engines compare)."""
 
     def __init__(self, cfg: DemoConfig, vocab: int, codec):
         self.cfg, self.vocab, self.codec = cfg, vocab, codec
-        self.stop = codec.eos_ids if codec else ()
+        self.chat = codec is not None and codec.chat_template is not None
         rng = np.random.default_rng(cfg.seed)
-        self.system = (codec.encode("<start_of_turn>user\n" + SYSTEM + "\n\n") if codec
-                       else list(rng.integers(0, vocab, cfg.system_tokens)))
+        if codec is None:
+            self.stop, self.system = (), list(rng.integers(0, vocab, cfg.system_tokens))
+        elif self.chat:
+            self.stop, self.system = codec.eos_ids, codec.encode("<start_of_turn>user\n" + SYSTEM + "\n\n")
+        else:  # an answer ends with its line (a token holding a line break ends it)
+            breaks = {i for text in ("\n", "\n\n") for i in codec.encode(text, bos=False)}
+            self.stop, self.system = (*codec.eos_ids, *sorted(breaks)), codec.encode(SHEET)
 
     def _message(self, conversation: int, turn: int) -> list[int] | str:
         """Turn ``turn``'s user message of ``conversation``: random ids (tiny model) or a question."""
+        if self.codec is not None:  # a conversation asks each question at most once
+            order = np.random.default_rng((self.cfg.seed, conversation)).permutation(len(QUESTIONS))
+            return QUESTIONS[int(order[turn % len(QUESTIONS)])]
         rng = np.random.default_rng((self.cfg.seed, conversation, turn))
-        if self.codec is not None:
-            return QUESTIONS[int(rng.integers(len(QUESTIONS)))]
         return list(rng.integers(0, self.vocab, int(rng.integers(*self.cfg.user_tokens))))
 
     def first(self, conversation: int) -> list[int]:
@@ -170,15 +189,21 @@ class _Chat:
         message = self._message(conversation, 0)
         if self.codec is None:
             return self.system + message
-        return self.system + self.codec.encode(message + "<end_of_turn>\n<start_of_turn>model\n", bos=False)
+        text = message + "<end_of_turn>\n<start_of_turn>model\n" if self.chat else _QUESTION.format(message)
+        return self.system + self.codec.encode(text, bos=False)
 
     def follow_up(self, r, conversation: int, turn: int) -> list[int]:
         """Turn ``turn`` of ``conversation`` after request ``r``: its prompt, its answer, a new user message."""
         message = self._message(conversation, turn)
         if self.codec is None:
             return r.prompt + r.generated + message
-        close = "\n" if r.generated and r.generated[-1] in self.stop else "<end_of_turn>\n"
-        return r.prompt + r.generated + self.codec.encode(close + _USER_TURN.format(message), bos=False)
+        ended = bool(r.generated) and r.generated[-1] in self.stop
+        if self.chat:
+            text = ("\n" if ended else "<end_of_turn>\n") + _USER_TURN.format(message)
+        else:  # a blank line before the next question, whichever line break token ended the answer
+            breaks = len(self.codec.decode(r.generated[-1:])) if ended else 0
+            text = "\n" * max(2 - breaks, 0) + _QUESTION.format(message)
+        return r.prompt + r.generated + self.codec.encode(text, bos=False)
 
 
 def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:

@@ -109,6 +109,46 @@ def test_malformed_json_file(tmp_path, capsys):
     assert "not valid JSON" in capsys.readouterr().err
 
 
+def test_a_base_models_demo_continues_a_question_sheet_and_a_chat_models_takes_turns():
+    """A model without a chat template (the base Gemma 3 270M) is given a question-and-answer sheet to
+    continue, each answer stopping at its line's end; a model with one talks in Gemma's turns. Either way every
+    conversation shares the head, and a follow-up holds the turns before it."""
+    from types import SimpleNamespace
+
+    from hkv_jax.demo import _QUESTION, _USER_TURN, SHEET, SYSTEM, DemoConfig, _Chat
+
+    class Codec:  # one token per character, BOS 2, EOS 1
+        eos_ids = (1,)
+
+        def __init__(self, chat_template):
+            self.chat_template = chat_template
+
+        def encode(self, text, bos=True):
+            return [2] * bos + [ord(c) for c in text]
+
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids if i > 2)
+
+    for template in (None, "{{ messages }}"):
+        codec = Codec(template)
+        chat = _Chat(DemoConfig(model="gemma-3-270m"), 256, codec)
+        first = [chat.first(c) for c in range(4)]
+        head = SHEET if template is None else "<start_of_turn>user\n" + SYSTEM
+        assert all(codec.decode(p).startswith(head) for p in first)
+        assert len({codec.decode(p) for p in first}) > 1  # the questions differ
+        assert len({chat._message(0, turn) for turn in range(3)}) == 3  # none asked twice in a conversation
+        answer = [ord(c) for c in " Four minutes."]
+        for ended in (answer + [10], answer):  # stopped at the line's end, or cut at the token limit
+            r = SimpleNamespace(prompt=first[0], generated=ended)
+            text = codec.decode(chat.follow_up(r, 0, 1))
+            assert text.startswith(codec.decode(first[0] + answer))
+            if template is None:
+                assert chat.stop == (1, 10) and text.count(SHEET) == 1
+                assert text.endswith("\n\n" + _QUESTION.format(chat._message(0, 1)))
+            else:
+                assert chat.stop == (1,) and text.endswith(_USER_TURN.format(chat._message(0, 1)))
+
+
 def test_demo_serves_and_reports(capsys):
     # A pool where no run preempts (see below).
     demo = ["demo", "--model", "tiny-gemma3", "--requests", "5", "--json", "--num-blocks", "400"]
