@@ -219,27 +219,40 @@ def _propose(static: StepStatic, draft_params: list[jax.Array], alloc: Allocator
     return draft, jnp.where(decoding, jnp.maximum(jnp.minimum(count, jnp.minimum(cols["drafts"], room)), 0), 0)
 
 
-def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, plan: StepPlan, alloc, ok, n, hit,
-             draft=None):
-    """The rest of a step once the allocator ran (``alloc`` and its lanes' ``ok, n, hit``): metadata, the
-    model's paged forward, sampling and the token append: ``(state, StepOutput)``. ``draft``: a
-    speculative step's drafts (``_propose``), whose slots the allocator held: each entry also computes
-    them, is sampled after its last known token and after each of them, and emits the sampled tokens up
-    to the first that differs from the draft (``accepted_drafts``)."""
+@dataclass(frozen=True)
+class _Batch:
+    """A step's ragged batch once the allocator ran (``_inputs``): entry ``s`` (lane ``s`` of the plan,
+    request slot ``slot_of[s]``) computes positions ``[start_s, start_s + n_s + count_s)``: ``n_s`` known
+    tokens, then ``count_s`` draft tokens; it is sampled at ``P`` positions (``at``: ``i32[R, P]`` token
+    indices), its last known token and each draft token after it."""
+
+    slot_of: jax.Array    # i32[R]
+    n: jax.Array          # i32[R]: known tokens computed (0 where refused)
+    start: jax.Array      # i32[R]
+    count: jax.Array      # i32[R]: draft tokens computed
+    P: int
+    qsl: jax.Array        # i32[R + 1]: query start of each entry
+    tokens: jax.Array     # i32[budget]
+    pos: jax.Array        # i32[budget]
+    valid: jax.Array      # bool[budget]
+    metadata: object      # attention.AttentionMetadata
+    at: jax.Array         # i32[R, P]
+
+
+def _inputs(static: StepStatic, state: EngineState, plan: StepPlan, alloc: AllocatorState, ok, n, draft):
+    """Stage 1: the model's inputs, ``(alloc, _Batch)``. A speculative step's drafts go after the known
+    tokens in ``alloc``, where the forward and the penalties read them."""
     layout, budget = static.layout, static.token_budget
-    R = plan.slots.shape[0]
     slot_of = jnp.maximum(plan.slots, 0)
     n = jnp.where(ok, n, 0)
     start = jnp.where(ok, alloc.num_computed[slot_of] - n, 0)
     P = 1 if draft is None else static.speculative.num_speculative_tokens + 1  # sampled positions per entry
     count = jnp.zeros_like(n) if draft is None else jnp.where(ok, draft[1], 0)
-    if draft is not None:  # the drafts go after the known tokens, where the forward and the penalties read them
+    if draft is not None:
         j = jnp.arange(P - 1)[None, :]
         rows = jnp.where(j < count[:, None], slot_of[:, None], layout.max_requests)
         cols = alloc.num_tokens[slot_of][:, None] + j
         alloc = replace(alloc, tokens=alloc.tokens.at[rows, cols].set(draft[0], mode="drop"))
-
-    # The ragged batch: entry s computes positions [start_s, start_s + n_s + count_s).
     qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(n + count)]).astype(jnp.int32)
     seq_lens = start + n + count
     seq, pos, valid = query_positions(qsl, seq_lens, budget)
@@ -247,15 +260,45 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
     tables = alloc.tables[slot_of]                                          # [R, G, M]
     metadata = make_metadata(state.cache, layout.config_tables(tables), qsl, seq_lens, budget,
                              record_positions=P if draft is not None and layout.mamba_groups else 0)
-    model = nnx.merge(static.graphdef, jax.tree.unflatten(static.params_def, params))
-    # Sampled at each entry's last known token and at each draft token after it: [R, P] token indices.
     last = jnp.maximum(qsl[1:] - 1, 0)
     at = jnp.minimum(jnp.maximum(last - count, 0)[:, None] + jnp.arange(P)[None, :], last[:, None])
-    logits, cache = model.paged(tokens, jnp.where(valid, pos, 0), state.cache, metadata, static.impl,
-                                sample_at=at.reshape(-1))                 # [R * P, V]
+    return alloc, _Batch(slot_of, n, start, count, P, qsl, tokens, pos, valid, metadata, at)
 
-    known = start + n                                                       # the index of the token sampled first
-    do_sample = ok & (known == alloc.num_tokens[slot_of])
+
+def _forward(static: StepStatic, params: list[jax.Array], state: EngineState, b: _Batch):
+    """Stage 2: the model's paged forward (KV write and attention for every group), logits only at the
+    sampled positions: ``(model, logits [R * P, V], cache)``."""
+    model = nnx.merge(static.graphdef, jax.tree.unflatten(static.params_def, params))
+    logits, cache = model.paged(b.tokens, jnp.where(b.valid, b.pos, 0), state.cache, b.metadata, static.impl,
+                                sample_at=b.at.reshape(-1))
+    return model, logits, cache
+
+
+def _logits_processors(plan: StepPlan, alloc: AllocatorState, b: _Batch, per_row, positions, rows_sample,
+                       penalties, prompt_len, min_tokens):
+    """Stage 3: logit biases, then vLLM's penalties (their order there): ``(adjust, adjusted)``, whether any
+    sampled row has any (``bool[R * P]``), and the function giving the scores the sampler then sees
+    (``logits`` and the log-probabilities stay raw)."""
+    bias = plan.logit_bias() if plan.bias_slots else None
+    if bias is not None:
+        bias = tuple(per_row(x) for x in bias)
+
+    def adjusted(logits):
+        scores = logits if bias is None else bias_logits(logits, *bias, positions - prompt_len, min_tokens)
+        return penalize(scores, per_row(alloc.tokens[b.slot_of]), positions, prompt_len, *penalties)
+
+    adjust = rows_sample & ((penalties[0] != 1) | (penalties[1] != 0) | (penalties[2] != 0))
+    if bias is not None:
+        adjust |= rows_sample & jnp.any(bias[0] >= 0, axis=1)
+    return adjust, adjusted
+
+
+def _sample(static: StepStatic, state: EngineState, plan: StepPlan, alloc: AllocatorState, b: _Batch, ok, logits):
+    """Stage 4, the sampler: ``(tokens i32[R * P], do_sample bool[R], key)``, each sampled row under its
+    request's values, after the logits processors where some row has any."""
+    R, P = b.slot_of.shape[0], b.P
+    known = b.start + b.n                                                   # the index of the token sampled first
+    do_sample = ok & (known == alloc.num_tokens[b.slot_of])
     key, sub = split_key(state.key)
     if static.lean:  # a lean step that applied nothing leaves everything as it was, the key too
         key = jnp.where(jnp.any(ok), key, state.key)
@@ -269,61 +312,81 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
     prompt_len, min_tokens = sampling.pop("prompt_len"), sampling.pop("min_tokens")
     for name in DRAFT_COLUMNS:
         sampling.pop(name)
-    rows_sample = (do_sample[:, None] & (jnp.arange(P)[None, :] <= count[:, None])).reshape(-1)
+    rows_sample = (do_sample[:, None] & (jnp.arange(P)[None, :] <= b.count[:, None])).reshape(-1)
 
     def draw(scores):
         return sample(scores, sub, position=positions, **sampling)
 
-    bias = plan.logit_bias() if plan.bias_slots else None
-    if bias is not None:
-        bias = tuple(per_row(x) for x in bias)
+    adjust, adjusted = _logits_processors(plan, alloc, b, per_row, positions, rows_sample, penalties, prompt_len,
+                                          min_tokens)
+    # A step where no sampled row has any skips them: a conditional on the tokens, so that no [R, V] copy is made.
+    new_tokens = jax.lax.cond(jnp.any(adjust), lambda: draw(adjusted(logits)), lambda: draw(logits))
+    return new_tokens, do_sample, key
 
-    def adjusted():  # biases, then penalties: vLLM's order
-        scores = logits if bias is None else bias_logits(logits, *bias, positions - prompt_len, min_tokens)
-        return penalize(scores, per_row(alloc.tokens[slot_of]), positions, prompt_len, *penalties)
 
-    # They change only what the sampler sees (``logits`` and the log-probabilities stay raw); a step where
-    # no request has any skips them (a conditional on the tokens, so that no [R, V] copy is made).
-    adjust = rows_sample & ((penalties[0] != 1) | (penalties[1] != 0) | (penalties[2] != 0))
-    if bias is not None:
-        adjust |= rows_sample & jnp.any(bias[0] >= 0, axis=1)
-    new_tokens = jax.lax.cond(jnp.any(adjust), lambda: draw(adjusted()), lambda: draw(logits))   # [R * P]
+def _commit(static: StepStatic, alloc: AllocatorState, cache, model, b: _Batch, new_tokens, do_sample, draft):
+    """Stage 5: the sampled tokens into the allocator: ``(alloc, cache, emitted i32[R] | None)``. A
+    speculative step's rejection sampler keeps each entry's tokens up to the first that differs from its
+    draft (``accepted_drafts``), and Mamba states move to the last accepted token."""
+    layout, slot_of = static.layout, b.slot_of
     if draft is not None:
-        sampled = new_tokens.reshape(R, P)
-        emitted = jnp.where(do_sample, accepted_drafts(draft[0], count, sampled) + 1, 0)
+        sampled = new_tokens.reshape(slot_of.shape[0], b.P)
+        emitted = jnp.where(do_sample, accepted_drafts(draft[0], b.count, sampled) + 1, 0)
         alloc = ops.accept_drafts(layout, alloc, slot_of, sampled, emitted, do_sample)
-        if metadata.record_positions:
-            cache = commit_accepted(model, cache, metadata, emitted)
-    elif static.vectorised:
-        alloc = ops.append_batch(layout, alloc, slot_of, new_tokens, do_sample)
-    else:
-        def append(a, x):
-            slot, tok, go = x
-            return jax.lax.cond(go, lambda b: ops.append_token(layout, b, slot, tok), lambda b: b, a), None
+        if b.metadata.record_positions:
+            cache = commit_accepted(model, cache, b.metadata, emitted)
+        return alloc, cache, emitted
+    if static.vectorised:
+        return ops.append_batch(layout, alloc, slot_of, new_tokens, do_sample), cache, None
 
-        alloc = jax.lax.scan(append, alloc, (slot_of, new_tokens, do_sample))[0]
-    _, idle_next = ops.count_if_idle(layout, alloc, slot_of, do_sample)
+    def append(a, x):
+        slot, tok, go = x
+        return jax.lax.cond(go, lambda c: ops.append_token(layout, c, slot, tok), lambda c: c, a), None
+
+    return jax.lax.scan(append, alloc, (slot_of, new_tokens, do_sample))[0], cache, None
+
+
+def _report(static: StepStatic, alloc: AllocatorState, b: _Batch, ok, hit, do_sample, emitted, new_tokens, logits):
+    """Stage 6: the host's report, one per sampled position (``i32[P, rows, R]``; position ``j > 0`` counts
+    one computed draft token): ok, tokens computed, cache hits, sampled, the token, whether the lane's
+    next decode only counts its token, the token's log-probability, drafts; then the top log-probabilities."""
+    R, P = b.slot_of.shape[0], b.P
+    _, idle_next = ops.count_if_idle(static.layout, alloc, b.slot_of, do_sample)
     scores = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(scores, axis=-1)
     logprob = jnp.take_along_axis(scores, new_tokens[:, None], axis=-1)[:, 0] - lse
     bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-
-    # One report per sampled position ([P, rows, R]); position j > 0 counts one computed draft token.
     j = jnp.arange(P)[None, :]
-    emits = j < (do_sample.astype(jnp.int32)[:, None] if draft is None else emitted[:, None])   # [R, P]
+    emits = j < (do_sample.astype(jnp.int32)[:, None] if emitted is None else emitted[:, None])   # [R, P]
     lane = functools.partial(jnp.broadcast_to, shape=(R, P))
-    report = jnp.stack([lane(ok[:, None].astype(jnp.int32)), jnp.where(j == 0, n[:, None], emits),
+    report = jnp.stack([lane(ok[:, None].astype(jnp.int32)), jnp.where(j == 0, b.n[:, None], emits),
                         jnp.where(j == 0, jnp.where(ok, hit, 0)[:, None], 0), emits.astype(jnp.int32),
                         jnp.where(emits, new_tokens.reshape(R, P), -1), lane(idle_next[:, None].astype(jnp.int32)),
                         bits(jnp.where(emits, logprob.reshape(R, P), 0.0)),
-                        jnp.where(j == 0, count[:, None], 0)]).transpose(2, 0, 1)
+                        jnp.where(j == 0, b.count[:, None], 0)]).transpose(2, 0, 1)
     if static.top_logprobs:
         top, ids = jax.lax.top_k(scores, static.top_logprobs)                 # [R * P, N] each
         top_rows = [ids.astype(jnp.int32), bits(top - lse[:, None])]
         report = jnp.concatenate([report] + [x.reshape(R, P, -1).transpose(1, 2, 0) for x in top_rows], axis=1)
+    return report
+
+
+def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, plan: StepPlan, alloc, ok, n, hit,
+             draft=None):
+    """The rest of a step once the allocator ran (``alloc`` and its lanes' ``ok, n, hit``), in its stages:
+    inputs, forward, logits processors and sampler, token commit, report: ``(state, StepOutput)``.
+    ``draft``: a speculative step's drafts (``_propose``), whose slots the allocator held: each entry also
+    computes them, is sampled after its last known token and after each of them, and emits the sampled
+    tokens up to the first that differs from the draft."""
+    alloc, b = _inputs(static, state, plan, alloc, ok, n, draft)
+    model, logits, cache = _forward(static, params, state, b)
+    new_tokens, do_sample, key = _sample(static, state, plan, alloc, b, ok, logits)
+    alloc, cache, emitted = _commit(static, alloc, cache, model, b, new_tokens, do_sample, draft)
+    report = _report(static, alloc, b, ok, hit, do_sample, emitted, new_tokens, logits)
     if draft is None:
         return EngineState(alloc, cache, key), StepOutput(report=report[0], logits=logits)
-    return EngineState(alloc, cache, key), StepOutput(report=report, logits=logits.reshape(R, P, -1))
+    R = b.slot_of.shape[0]
+    return EngineState(alloc, cache, key), StepOutput(report=report, logits=logits.reshape(R, b.P, -1))
 
 
 def step(static: StepStatic, params: list[jax.Array], state: EngineState, plan: StepPlan):
