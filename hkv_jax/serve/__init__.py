@@ -1,5 +1,6 @@
-"""``hkv serve``: OpenAI-style completion endpoints over one engine (``server.py``: the HTTP layer and the
-engine thread; ``protocol.py``: request parsing into ``SamplingParams``, chat templates, answer objects)."""
+"""``hkv serve``: OpenAI-style completion endpoints over one engine (``server.py``: the HTTP layer;
+``engine_client.py``: the thread that owns the engine; ``metrics.py``: the Prometheus text; ``protocol.py``:
+request parsing into ``SamplingParams``, chat templates, answer objects)."""
 
 from hkv_jax.serve.protocol import BadRequest, ChatTemplate
 from hkv_jax.serve.server import CompletionServer, warm_up

@@ -31,13 +31,12 @@ With an API key (``CompletionServer(..., api_key=)``, ``hkv serve --api-key`` or
 ``/v1/`` path wants ``Authorization: Bearer <key>`` (status 401 otherwise, as OpenAI's); ``/health`` and
 ``/metrics`` stay open, as vLLM's. There is no TLS: put a proxy in front to serve beyond the host.
 
-This module is the HTTP layer and the engine thread; ``protocol.py`` parses bodies into ``SamplingParams``
-and builds OpenAI's answer objects. Only the engine's public API is used. One thread owns the engine.
-Between steps it takes the requests the HTTP threads queued (and the aborts of clients that went away); it
-steps while there is work and hands each request's new text to the thread serving it. ``echo``'s prompt
-log-probabilities are computed in the client's own thread (they read only the parameters), so a long prompt
-does not hold up the steps. Bad input gets status 400 and OpenAI's error object, and nothing is queued. A
-field given as ``null`` counts as absent, as in OpenAI's API.
+This module is the HTTP layer; ``engine_client.py`` holds the thread that owns the engine (it takes the
+requests the HTTP threads queue between steps and hands each request's new text to the thread serving it),
+``metrics.py`` the Prometheus text and ``protocol.py`` the parsing of bodies into ``SamplingParams`` and
+OpenAI's answer objects. ``echo``'s prompt log-probabilities are computed in the client's own thread (they
+read only the parameters), so a long prompt does not hold up the steps. Bad input gets status 400 and
+OpenAI's error object, and nothing is queued. A field given as ``null`` counts as absent, as in OpenAI's API.
 """
 
 from __future__ import annotations
@@ -49,26 +48,14 @@ import select
 import socket
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from hkv_jax.engine import Engine
+from hkv_jax.serve.engine_client import EngineClient, log_entry
 from hkv_jax.serve.protocol import Answer, BadRequest, ChatTemplate, CompletionRequest, Limits, parse, usage
 
 # How often a request that does not stream checks that its client still waits (seconds).
 _CHECK_SECONDS = 0.5
-
-
-@dataclass
-class _Served:
-    """What the engine thread keeps of one request it serves."""
-
-    replies: queue.Queue  # updates of the HTTP request's choices; a choice's last has "finish_reason"
-    top: int | None       # likeliest tokens listed per token; None: no log-probabilities
-    index: int = 0        # its choice
-    shown: int = 0        # characters of its text sent
-    sent: int = 0         # tokens whose log-probabilities were sent
 
 
 class CompletionServer:
@@ -85,15 +72,9 @@ class CompletionServer:
         self.chat_template = ChatTemplate(codec)
         c = engine.config
         self.limits = Limits(c.max_requests, c.max_model_len, c.max_top_logprobs)
-        self._inbox: queue.Queue = queue.Queue()
-        self._served: dict[int, _Served] = {}
-        # Counted by the engine thread for /metrics: tokens of the prompts taken and of the text sent,
-        # finished choices per finish reason.
-        self._counts = {"prompt": 0, "generation": 0, "finished": Counter()}
-        self._answers = 0  # answers begun: each one's id
-        self._stopping = threading.Event()
+        self.client = EngineClient(engine, codec)
         self._http: ThreadingHTTPServer | None = None
-        self._threads: list[threading.Thread] = []
+        self._thread: threading.Thread | None = None
 
     def start(self, host: str = "127.0.0.1", port: int = 8000, warm: bool = False) -> tuple[str, int]:
         """Serve in background threads; returns ``(host, port)`` (``port=0``: any free port). ``warm``: once
@@ -102,20 +83,19 @@ class CompletionServer:
         if warm:
             warm_up(self.engine)
             self.engine.reset_stats()  # the metrics count what clients asked for, not the warm-up
-        self._threads = [threading.Thread(target=self._run_engine, name="hkv-engine", daemon=True),
-                         threading.Thread(target=self._http.serve_forever, name="hkv-http", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self.client.start()
+        self._thread = threading.Thread(target=self._http.serve_forever, name="hkv-http", daemon=True)
+        self._thread.start()
         return self._http.server_address[:2]
 
     def stop(self) -> None:
         """Stop serving (requests still running get no more tokens)."""
-        self._stopping.set()
+        self.client.stop()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
-        for t in self._threads:
-            t.join()
+        if self._thread is not None:
+            self._thread.join()
 
     # --- HTTP threads ----------------------------------------------------------------------
 
@@ -127,16 +107,14 @@ class CompletionServer:
         choice}``; then come each choice's pieces of text with its ``index``. ``ValueError``
         (``BadRequest``) for malformed fields."""
         request = parse(body, chat, self.codec, self.chat_template, self.limits)
-        replies: queue.Queue = queue.Queue()
         # Scored here, in the client's thread: a long prompt's forward does not hold up the engine's steps.
         echoed = ([self._echo(p, text, request.top) for p, text in zip(request.prompts, request.texts)]
                   if request.echo else None)
-        self._inbox.put(("add", request, replies, echoed))
-        return replies, request
+        return self.client.add(request, echoed), request
 
     def _echo(self, prompt: list[int], text: str | None, top: int | None) -> tuple[str, list]:
         """What ``echo`` puts before each choice's answer: the prompt's ``text`` (None: its tokens' text)
-        and, when the request asks for log-probabilities, its tokens' entries (as ``_logprobs``'; the first
+        and, when the request asks for log-probabilities, its tokens' entries (``log_entry``; the first
         token has no log-probability and no likeliest tokens). ``ValueError`` for a prompt the engine
         refuses. It reads only the engine's parameters, so any thread may call it."""
         if top is None:
@@ -144,15 +122,9 @@ class CompletionServer:
             entries = []
         else:  # prompt_logprobs checks the prompt
             scored = self.engine.prompt_logprobs(prompt, top)
-            entries = [self._entry(prompt[0], None, None)]
-            entries += [self._entry(t, v, likeliest) for t, (v, likeliest) in zip(prompt[1:], scored[1:])]
+            entries = [log_entry(self.codec, prompt[0], None, None)]
+            entries += [log_entry(self.codec, t, v, likeliest) for t, (v, likeliest) in zip(prompt[1:], scored[1:])]
         return self.codec.decode(prompt) if text is None else text, entries
-
-    def _entry(self, token: int, logprob: float | None, likeliest: list | None) -> tuple:
-        """One token's log-probability entry: ``(text, log-probability, [(text, log-probability)] of the
-        likeliest tokens)`` (None: none listed)."""
-        decode = self.codec.decode
-        return decode([token]), logprob, None if likeliest is None else [(decode([u]), w) for u, w in likeliest]
 
     def tokenize(self, body) -> dict:
         """``POST /tokenize``: the token ids of ``prompt`` (text), or of chat ``messages`` in the chat format;
@@ -178,131 +150,11 @@ class CompletionServer:
 
     def abort(self, rids: list[int]) -> None:
         """End the requests ``rids`` (their client went away)."""
-        self._inbox.put(("abort", rids))
+        self.client.abort(rids)
 
     def metrics(self) -> str:
         """The engine's gauges and counters in Prometheus' text format, read between two steps."""
-        answer: queue.Queue = queue.Queue()
-        self._inbox.put(("metrics", answer))
-        return answer.get()
-
-    # --- the engine thread -----------------------------------------------------------------
-
-    def _run_engine(self) -> None:
-        engine = self.engine
-        while not self._stopping.is_set():
-            try:  # wait for requests only while there is nothing to step
-                item = self._inbox.get(timeout=1e-9 if engine.has_work else 0.05)
-                while True:
-                    self._take(item)
-                    item = self._inbox.get_nowait()
-            except queue.Empty:
-                pass
-            if not engine.has_work:
-                continue
-            try:
-                events = engine.step()
-            except Exception as e:  # noqa: BLE001 - every client hears of it, the thread goes on
-                for rid, served in list(self._served.items()):
-                    served.replies.put({"error": f"engine error: {e}"})
-                    engine.abort(rid)
-                    engine.forget(rid)
-                self._served.clear()
-                continue
-            for rid in dict.fromkeys(rid for rid, _ in events):
-                if rid in self._served:
-                    self._update(rid)
-
-    def _take(self, item) -> None:
-        """Apply one queued item: a new request (``n`` choices per prompt, prompt by prompt), an abort, or a
-        metrics read."""
-        if item[0] == "metrics":
-            item[1].put(self._metrics())
-            return
-        if item[0] == "abort":
-            running = [rid for rid in item[1] if self._served.pop(rid, None) is not None]
-            self._drop(running)
-            self._counts["finished"]["abort"] += len(running)
-            return
-        _, request, replies, echoed = item  # echoed: each prompt's echo, or None
-        rids = []
-        try:
-            for prompt in request.prompts:
-                for i in range(request.n if request.params else 0):  # echo with max_tokens 0: the prompts only
-                    rids.append(self.engine.add_request(prompt, request.choice_params(i)))
-        except Exception as e:  # noqa: BLE001 - a request the engine refuses (bad values): its client hears why
-            self._drop(rids)
-            replies.put({"error": str(e)})
-            return
-        for i, rid in enumerate(rids):
-            self._served[rid] = _Served(replies, request.top, i)
-        n, tokens = request.n, sum(map(len, request.prompts))
-        self._counts["prompt"] += n * tokens
-        if not request.params:
-            self._counts["finished"]["length"] += n * len(request.prompts)
-        self._answers += 1
-        replies.put({"id": self._answers, "ids": rids, "choices": n * len(request.prompts), "prompt_tokens": tokens,
-                     "echo": None if echoed is None else [e for e in echoed for _ in range(n)]})
-
-    def _drop(self, rids: list[int]) -> None:
-        """Abort and forget engine requests no client waits for."""
-        for rid in rids:
-            self.engine.abort(rid)
-            self.engine.forget(rid)
-
-    def _update(self, rid: int) -> None:
-        """Send request ``rid``'s new text (and log-probabilities) to its HTTP thread."""
-        served, r = self._served[rid], self.engine.requests[rid]
-        text = self.engine.text(rid, stable=True)
-        update = {"index": served.index, "text": text[served.shown:]}
-        served.shown = max(served.shown, len(text))
-        if served.top is not None:
-            update["logprobs"] = self._logprobs(served, r)
-        if r.done:
-            update |= {"finish_reason": r.finish_reason, "completion_tokens": len(r.generated)}
-            self._counts["finished"][r.finish_reason] += 1
-            self._counts["generation"] += len(r.generated)
-            del self._served[rid]
-            self.engine.forget(rid)
-        served.replies.put(update)
-
-    def _metrics(self) -> str:
-        stats, counts, kv = self.engine.stats, self._counts, self.engine.kv_usage()
-        rows = [("requests_running", "gauge", "Requests holding a slot.", kv.running),
-                ("requests_waiting", "gauge", "Requests waiting for a slot.", kv.waiting),
-                ("kv_blocks", "gauge", "Blocks of the KV pool (the null block left out).", kv.num_blocks),
-                ("kv_blocks_free", "gauge", "Blocks no request holds (prefix-cached ones included).", kv.free_blocks),
-                ("prompt_tokens_total", "counter", "Prompt tokens of the choices taken.", counts["prompt"]),
-                ("generation_tokens_total", "counter", "Tokens generated by finished choices.", counts["generation"]),
-                ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.",
-                 stats.cache_hit_tokens),
-                ("computed_tokens_total", "counter", "Tokens the model computed (recomputed ones included).",
-                 stats.tokens_computed),
-                ("preemptions_total", "counter", "Requests preempted for want of blocks.", stats.preemptions),
-                ("steps_total", "counter", "Engine steps.", stats.steps),
-                ("multi_step_calls_total", "counter", "Calls that ran several decode steps in one program "
-                 "(--decode-steps, --max-call-ms).", stats.multi_step_calls),
-                ("step_seconds_total", "counter", "Seconds spent in engine steps.", stats.seconds),
-                ("spec_decode_num_drafts_total", "counter", "Speculative decoding: drafts verified (one per "
-                 "request and step).", stats.spec_drafts),
-                ("spec_decode_num_draft_tokens_total", "counter", "Speculative decoding: draft tokens verified.",
-                 stats.spec_draft_tokens),
-                ("spec_decode_num_accepted_tokens_total", "counter", "Speculative decoding: draft tokens accepted.",
-                 stats.spec_accepted_tokens)]
-        lines = []
-        for name, kind, text, value in rows:
-            lines += [f"# HELP hkv_{name} {text}", f"# TYPE hkv_{name} {kind}", f"hkv_{name} {value}"]
-        lines += ["# HELP hkv_requests_finished_total Choices finished, by finish reason.",
-                  "# TYPE hkv_requests_finished_total counter"]
-        lines += [f'hkv_requests_finished_total{{finish_reason="{reason}"}} {count}'
-                  for reason, count in sorted(counts["finished"].items())]
-        return "\n".join(lines) + "\n"
-
-    def _logprobs(self, served: _Served, r) -> list:
-        """The entries (``_entry``) of ``r``'s tokens not sent yet."""
-        new = range(served.sent, len(r.generated))
-        served.sent = len(r.generated)
-        return [self._entry(r.generated[i], r.logprobs[i], r.top_logprobs[i] if served.top else []) for i in new]
+        return self.client.metrics()
 
 
 class _HTTPServer(ThreadingHTTPServer):
