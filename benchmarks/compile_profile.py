@@ -75,12 +75,12 @@ def main(argv: list[str] | None = None) -> int:
                                " --xla_dump_hlo_module_re=jit_step --xla_dump_hlo_pass_re=^$").strip()
     import jax
 
-    from hkv_jax.demo import DemoConfig, build_engine
+    from hkv_jax.engine.factory import ServeConfig, build_engine
 
     log = CompileLog()
     logging.getLogger("jax").addHandler(log)
     jax.config.update("jax_log_compiles", True)
-    engine, _ = build_engine(DemoConfig(model=args.model))
+    engine, _ = build_engine(ServeConfig(model=args.model))
     for n in (40, 33):  # a prefill step, then decode steps: the full and the lean program
         engine.add_request(list(range(1, n + 1)), 3)
     engine.run()

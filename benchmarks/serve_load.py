@@ -130,11 +130,11 @@ def run(url: str, texts: list[str], max_tokens: int, concurrency: int) -> dict:
 
 def start_server(model: str, max_requests: int, max_model_len: int | None):
     """``model`` served in this process on a free port, its programs compiled; the server."""
-    from hkv_jax.demo import DemoConfig, build_engine
+    from hkv_jax.engine.factory import ServeConfig, build_engine
     from hkv_jax.models.tokenizer import ByteCodec
     from hkv_jax.serve import CompletionServer
 
-    engine, codec = build_engine(DemoConfig(model=model, max_requests=max_requests, max_model_len=max_model_len),
+    engine, codec = build_engine(ServeConfig(model=model, max_requests=max_requests, max_model_len=max_model_len),
                                  max_logit_bias=16)
     server = CompletionServer(engine, codec or ByteCodec(), model)
     host, port = server.start("127.0.0.1", 0, warm=True)

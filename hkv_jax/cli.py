@@ -120,10 +120,11 @@ def _decode_options(args: argparse.Namespace) -> dict:
     return options
 
 
-def _demo_config(args: argparse.Namespace, **fields):
-    """The ``DemoConfig`` of ``demo`` or ``serve`` (``_pool_options``, ``_engine_options``, ``--model``,
-    ``--seed``; ``fields``: more of its fields), checked before anything is loaded or compiled."""
-    from hkv_jax.demo import DemoConfig, default_model
+def _serve_config(args: argparse.Namespace, config=None, **fields):
+    """The ``ServeConfig`` (or ``config``, a subclass: ``DemoConfig``) of ``demo`` or ``serve``
+    (``_pool_options``, ``_engine_options``, ``--model``, ``--seed``; ``fields``: more of its fields), checked
+    before anything is loaded or compiled."""
+    from hkv_jax.engine.factory import ServeConfig, default_model
     from hkv_jax.models.pretrained import is_pretrained
 
     _positive(args, *_POOL_SIZES)
@@ -133,15 +134,15 @@ def _demo_config(args: argparse.Namespace, **fields):
     model = args.model or default_model()
     if args.quantize and not is_pretrained(model):
         raise CliError(f"--quantize needs a real model (gemma-3-270m, a .gguf file or a checkpoint), not {model}")
-    return replace(DemoConfig(model=model, seed=args.seed, quantize=args.quantize, policy=args.policy,
-                              impl=args.impl, **_decode_options(args), **fields), **sizes)
+    return replace((config or ServeConfig)(model=model, seed=args.seed, quantize=args.quantize, policy=args.policy,
+                                           impl=args.impl, **_decode_options(args), **fields), **sizes)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from hkv_jax.demo import main_demo
+    from hkv_jax.demo import DemoConfig, main_demo
 
     _positive(args, "requests")
-    cfg = _demo_config(args, requests=args.requests, window_aware_eviction=args.window_aware_eviction)
+    cfg = _serve_config(args, DemoConfig, requests=args.requests, window_aware_eviction=args.window_aware_eviction)
     use_compilation_cache()
     return main_demo(cfg, as_json=args.json)
 
@@ -172,7 +173,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import time
 
-    from hkv_jax.demo import build_engine
+    from hkv_jax.engine.factory import build_engine
     from hkv_jax.models.tokenizer import ByteCodec
     from hkv_jax.serve import CompletionServer
 
@@ -180,7 +181,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--port must be in [0, 65536), --max-logprobs and --max-logit-bias >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key (or HKV_API_KEY) must not be empty")
-    cfg = _demo_config(args)
+    cfg = _serve_config(args)
     use_compilation_cache()
     engine, codec = build_engine(cfg, max_top_logprobs=args.max_logprobs, max_logit_bias=args.max_logit_bias)
     server = CompletionServer(engine, codec or ByteCodec(), cfg.model, api_key=args.api_key)

