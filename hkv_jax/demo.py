@@ -8,9 +8,12 @@ rate, blocks in use per KV cache group (peak) and the memory an all-full-
 attention cache would have needed at the same peak.
 
 Models: the real Gemma 3 270M (``gemma-3-270m``, the default when the
-``gemma`` extra is installed) chats in text, in Gemma's turn format, and each
-answer ends at ``<end_of_turn>``; a tiny random model (``tiny-gemma3`` ...,
-offline, the default otherwise) gets random token ids.
+``gemma`` extra is installed) works in text. That checkpoint is the base model
+(no chat template), so it continues a cooking school's question-and-answer
+sheet, one question a turn, each answer ending at its line's end; a model with
+a chat template chats in Gemma's turn format, each answer ending at
+``<end_of_turn>``. A tiny random model (``tiny-gemma3`` ..., offline, the
+default otherwise) gets random token ids.
 """
 
 from __future__ import annotations
