@@ -29,13 +29,13 @@ _ROUNDS = (0x85EBCA6B, 0xC2B2AE35)
 _WEYL = 0x9E3779B9  # the golden ratio in 32 bits: spreads consecutive counters over the word
 
 
-def _fmix(h: jax.Array) -> jax.Array:
-    """murmur3's finaliser of a ``uint32`` array: a bijection in which each input bit flips about half the
-    output bits."""
+def _fmix(h, xp=jnp):
+    """murmur3's finaliser of a ``uint32`` array (``xp``: ``jnp``, or ``np`` on the host): a bijection in which
+    each input bit flips about half the output bits."""
     h = h ^ (h >> 16)
-    h = h * jnp.uint32(_ROUNDS[0])
+    h = h * xp.uint32(_ROUNDS[0])
     h = h ^ (h >> 13)
-    h = h * jnp.uint32(_ROUNDS[1])
+    h = h * xp.uint32(_ROUNDS[1])
     return h ^ (h >> 16)
 
 
@@ -47,12 +47,10 @@ def _hash(key: jax.Array, counter: jax.Array) -> jax.Array:
 
 
 def engine_key(seed: int) -> np.ndarray:
-    """The engine's sampling key for ``seed``: ``u32[2]``, a stream word from the seed (``_fmix`` in Python
-    integers) and a step counter that ``split_key`` advances, so two seeds' streams never run into one another."""
-    h = (seed ^ (seed >> 32)) & 0xFFFFFFFF
-    h = ((h ^ (h >> 16)) * _ROUNDS[0]) & 0xFFFFFFFF
-    h = ((h ^ (h >> 13)) * _ROUNDS[1]) & 0xFFFFFFFF
-    return np.array([h ^ (h >> 16), 0], np.uint32)
+    """The engine's sampling key for ``seed``: ``u32[2]``, a stream word from the seed and a step counter that
+    ``split_key`` advances, so two seeds' streams never run into one another."""
+    word = _fmix(np.array([(seed ^ (seed >> 32)) & 0xFFFFFFFF], np.uint32), np)  # an array wraps silently
+    return np.array([word[0], 0], np.uint32)
 
 
 def split_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
