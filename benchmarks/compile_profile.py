@@ -66,6 +66,7 @@ class CompileLog(logging.Handler):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-gemma3")
+    ap.add_argument("--impl", default="auto", help="attention implementation (the suite's engines: reference)")
     ap.add_argument("--top", type=int, default=25, help="source lines and functions to list")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
     args = ap.parse_args(argv)
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     log = CompileLog()
     logging.getLogger("jax").addHandler(log)
     jax.config.update("jax_log_compiles", True)
-    engine, _ = build_engine(ServeConfig(model=args.model))
+    engine, _ = build_engine(ServeConfig(model=args.model, impl=args.impl))
     for n in (40, 33):  # a prefill step, then decode steps: the full and the lean program
         engine.add_request(list(range(1, n + 1)), 3)
     engine.run()

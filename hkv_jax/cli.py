@@ -9,6 +9,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
+from hkv_jax.engine.sampling_params import KNOBS
 from hkv_jax.models import layers_from_hf_config, resolve_model
 from hkv_jax.models.hf_config import text_config
 from hkv_jax.models.quant import QUANTIZE
@@ -147,22 +150,28 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return main_demo(cfg, as_json=args.json)
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from hkv_jax.generate import GenerateConfig, generate
+def _generate_config(args: argparse.Namespace):
+    """``hkv generate``'s ``GenerateConfig``, its sampling values checked (``CliError`` in the flags' names)."""
+    from hkv_jax.generate import GenerateConfig
 
     _positive(args, "max_new_tokens")
     if not args.prompt.strip():
         raise CliError("the prompt is empty")
     cfg = GenerateConfig(model=args.model, max_new_tokens=args.max_new_tokens, chat=not args.raw,
-                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                         frequency_penalty=args.frequency_penalty, stop=tuple(args.stop), seed=args.seed,
-                         quantize=args.quantize, **_decode_options(args))
+                         sampling={k.name: getattr(args, k.name) for k in KNOBS if k.name != "seed"},
+                         stop=tuple(args.stop), seed=args.seed, quantize=args.quantize, **_decode_options(args))
     try:
-        cfg.sampling()
+        cfg.params()
     except ValueError as e:  # SamplingParams' message, in the flags' names
         name = str(e).split(" ", 1)[0]
         raise CliError(f"--{_FLAGS.get(name, name).replace('_', '-')} {str(e).split(' ', 1)[1]}") from None
+    return cfg
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from hkv_jax.generate import generate
+
+    cfg = _generate_config(args)
     use_compilation_cache()
     result = generate(cfg, args.prompt, progress=not args.json, out=sys.stderr if args.json else sys.stdout)
     if args.json:
@@ -287,18 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "Hugging Face checkpoint directory")
     g.add_argument("--max-new-tokens", type=int, default=64, help="most tokens generated (default 64)")
     g.add_argument("--raw", action="store_true", help="continue the prompt as given, without the chat template")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: all)")
-    g.add_argument("--min-p", type=float, default=0.0,
-                   help="cut tokens below this fraction of the likeliest one's probability (default 0)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="divide the positive logits of tokens seen so far by this, multiply the negative ones "
-                        "(default 1: none)")
-    g.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="subtract this from the logits of tokens generated so far (default 0)")
-    g.add_argument("--frequency-penalty", type=float, default=0.0,
-                   help="subtract this times its count from each generated token's logit (default 0)")
+    for knob in KNOBS:  # the request's sampling values; --seed below seeds the engine (its one request)
+        if knob.name != "seed":
+            g.add_argument(f"--{knob.name.replace('_', '-')}", type=int if knob.dtype is np.int32 else float,
+                           default=knob.neutral, help=f"{knob.help} (default {knob.neutral:g})")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end the answer before this text (repeat for several)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TextIO
 
 from hkv_jax.engine import Engine, EngineConfig, NgramSpec, SamplingParams
 from hkv_jax.engine.factory import ServeConfig, pool_blocks
+from hkv_jax.engine.sampling_params import KNOBS
 from hkv_jax.models.pretrained import load_pretrained
 from hkv_jax.models.tokenizer import gemma_chat
 
@@ -26,13 +27,9 @@ class GenerateConfig:
     model: str = "gemma-3-270m"
     max_new_tokens: int = 64
     chat: bool = True
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0                # 0: no limit
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0  # 1: none
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # Sampling values by ``KNOBS`` name (``SamplingParams``' fields: temperature, top_p, ...); those left out
+    # are greedy and uncut, with no penalty.
+    sampling: dict = field(default_factory=dict)
     stop: tuple[str, ...] = ()    # stop strings
     block_size: int = 16
     token_budget: int = 256
@@ -43,12 +40,14 @@ class GenerateConfig:
     speculative: NgramSpec | None = None   # speculative decoding (Engine(speculative=...))
     seed: int = 0
 
-    def sampling(self, eos_ids=()) -> SamplingParams:
-        """The request's ``SamplingParams`` (``ValueError`` for a value out of range)."""
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              stop=tuple(eos_ids), stop_strings=self.stop)
+    def params(self, eos_ids=()) -> SamplingParams:
+        """The request's ``SamplingParams`` (``ValueError`` for a value out of range or an unknown name)."""
+        unknown = set(self.sampling) - {k.name for k in KNOBS}
+        if unknown:
+            raise ValueError(f"sampling: unknown {', '.join(sorted(unknown))}; known: "
+                             f"{', '.join(k.name for k in KNOBS)}")
+        return SamplingParams(max_new_tokens=self.max_new_tokens, stop=tuple(eos_ids), stop_strings=self.stop,
+                              **self.sampling)
 
 
 def engine_for(model, max_model_len: int, *, max_requests: int = 1, block_size: int = 16,
@@ -69,7 +68,7 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
 
     ``decode_tokens_per_s`` counts the steps after the first token that compiled nothing; the ones that
     compiled a program (the decode step's own bucket, the first time) are ``decode_compile_seconds``."""
-    cfg.sampling()  # checked before the model loads
+    cfg.params()  # checked before the model loads
     t0 = time.perf_counter()
     model, codec = load_pretrained(cfg.model, kv_dtype=cfg.kv_dtype, quantize=cfg.quantize, progress=progress)
     ids = codec.encode(gemma_chat([{"role": "user", "content": prompt}]) if cfg.chat else prompt)
@@ -77,7 +76,7 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
                         token_budget=cfg.token_budget, seed=cfg.seed, decode_steps=cfg.decode_steps,
                         max_call_seconds=cfg.max_call_seconds, speculative=cfg.speculative,
                         detokenize=codec.decode)
-    rid = engine.add_request(ids, cfg.sampling(codec.eos_ids))
+    rid = engine.add_request(ids, cfg.params(codec.eos_ids))
     load_s = time.perf_counter() - t0
     bar = None
     if progress:

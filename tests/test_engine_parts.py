@@ -226,3 +226,44 @@ def test_every_sampling_value_is_a_declared_attribute_of_engines_and_requests():
     assert h.temperature == h.sampling_defaults["temperature"] == 0.7
     with pytest.raises(TypeError, match="not an engine sampling default"):
         type("Bad", (), {"seed": EngineDefault()})
+
+
+def test_a_knob_added_to_the_listing_reaches_every_sampling_surface(monkeypatch):
+    """``hkv generate``'s flags, ``GenerateConfig`` and the HTTP protocol's fields come from ``KNOBS``: a knob
+    added to a copy of it (with its ``SamplingParams`` field) is taken, and checked, on each of them."""
+    from dataclasses import make_dataclass
+    from types import SimpleNamespace
+
+    import hkv_jax.cli as cli
+    import hkv_jax.generate as generate
+    from hkv_jax.engine import sampling_params
+    from hkv_jax.serve import protocol
+
+    knob = sampling_params.Knob("typical_p", np.float32, 1.0, lambda x: sampling_params.is_number(x) and 0 < x <= 1,
+                                "in (0, 1]", "typical sampling mass")
+    Params = make_dataclass("SamplingParams", [("typical_p", float | None, None)], bases=(SamplingParams,),
+                            frozen=True)
+    extended = sampling_params.KNOBS + (knob,)
+    for module in (sampling_params, cli, generate, protocol):
+        monkeypatch.setattr(module, "KNOBS", extended)
+    for module in (generate, protocol):
+        monkeypatch.setattr(module, "SamplingParams", Params)
+
+    def generate_config(*flags):
+        return cli._generate_config(cli.build_parser().parse_args(["generate", "a prompt", *flags]))
+
+    cfg = generate_config("--typical-p", "0.5", "--top-k", "3")
+    assert cfg.sampling["typical_p"] == 0.5 and cfg.params().typical_p == 0.5 and cfg.params().top_k == 3
+    assert generate_config().params().typical_p == 1.0  # the knob's neutral value
+    with pytest.raises(cli.CliError, match=r"--typical-p must be in \(0, 1\], got 2.0"):
+        generate_config("--typical-p", "2")
+    with pytest.raises(ValueError, match="sampling: unknown typical_q"):
+        generate.GenerateConfig(sampling={"typical_q": 0.5}).params()
+
+    codec = SimpleNamespace(encode=lambda text: [ord(c) for c in text], eos_ids=(1,))
+    limits = protocol.Limits(max_requests=2, max_model_len=64, max_top_logprobs=0)
+    got = protocol.parse({"prompt": "hi", "max_tokens": 2, "typical_p": 0.25, "top_p": 0.5}, False, codec, None, limits)
+    assert (got.params.typical_p, got.params.top_p, got.params.temperature) == (0.25, 0.5, 1.0)
+    assert protocol.parse({"prompt": "hi", "max_tokens": 2}, False, codec, None, limits).params.typical_p is None
+    with pytest.raises(ValueError, match=r"typical_p must be in \(0, 1\]"):
+        protocol.parse({"prompt": "hi", "max_tokens": 2, "typical_p": 0}, False, codec, None, limits)

@@ -27,13 +27,15 @@ def is_number(x) -> bool:
 @dataclass(frozen=True)
 class Knob:
     """One sampling value that the step program takes per request: its dtype there, the value that
-    leaves it out (greedy, no cut, no seed, no penalty), and the rule a given value must meet."""
+    leaves it out (greedy, no cut, no seed, no penalty), the rule a given value must meet, and what it
+    does in words (the surfaces' help: ``hkv generate``'s flags)."""
 
     name: str
     dtype: type
     neutral: float
     ok: object   # value -> bool
     rule: str    # the rule in words, for the error
+    help: str    # what it does, for the surfaces that list it
 
     def check(self, value):
         """``value`` as a Python number (``None`` kept); ``ValueError`` when it breaks the rule."""
@@ -47,15 +49,22 @@ class Knob:
 # The one listing of the per-request sampling values. The step's plan carries them in this order
 # (``hkv_jax.engine.step_messages.SAMPLING`` adds the prompt length and ``min_tokens``).
 KNOBS = (
-    Knob("temperature", np.float32, 0.0, lambda x: is_number(x) and 0 <= x < math.inf, "finite and >= 0"),
-    Knob("top_p", np.float32, 1.0, lambda x: is_number(x) and 0 < x <= 1, "in (0, 1]"),
-    Knob("top_k", np.int32, 0, lambda x: is_integer(x) and x >= 0, "an integer >= 0 (0: no limit)"),
-    Knob("min_p", np.float32, 0.0, lambda x: is_number(x) and 0 <= x <= 1, "in [0, 1]"),
-    Knob("seed", np.int32, -1, lambda x: is_integer(x) and 0 <= x < 2**31, "an integer in [0, 2**31)"),
+    Knob("temperature", np.float32, 0.0, lambda x: is_number(x) and 0 <= x < math.inf, "finite and >= 0",
+         "softmax temperature (0: greedy)"),
+    Knob("top_p", np.float32, 1.0, lambda x: is_number(x) and 0 < x <= 1, "in (0, 1]", "nucleus sampling mass"),
+    Knob("top_k", np.int32, 0, lambda x: is_integer(x) and x >= 0, "an integer >= 0 (0: no limit)",
+         "sample among the k likeliest tokens (0: all)"),
+    Knob("min_p", np.float32, 0.0, lambda x: is_number(x) and 0 <= x <= 1, "in [0, 1]",
+         "cut tokens below this fraction of the likeliest one's probability"),
+    Knob("seed", np.int32, -1, lambda x: is_integer(x) and 0 <= x < 2**31, "an integer in [0, 2**31)",
+         "the request's own sampling seed: the same tokens in any batch"),
     Knob("repetition_penalty", np.float32, 1.0, lambda x: is_number(x) and 0 < x < math.inf,
-         "finite and > 0 (1: none)"),
-    Knob("presence_penalty", np.float32, 0.0, lambda x: is_number(x) and -2 <= x <= 2, "in [-2, 2]"),
-    Knob("frequency_penalty", np.float32, 0.0, lambda x: is_number(x) and -2 <= x <= 2, "in [-2, 2]"),
+         "finite and > 0 (1: none)",
+         "divide the positive logits of tokens seen so far by this, multiply the negative ones (1: none)"),
+    Knob("presence_penalty", np.float32, 0.0, lambda x: is_number(x) and -2 <= x <= 2, "in [-2, 2]",
+         "subtract this from the logits of tokens generated so far"),
+    Knob("frequency_penalty", np.float32, 0.0, lambda x: is_number(x) and -2 <= x <= 2, "in [-2, 2]",
+         "subtract this times its count from each generated token's logit"),
 )
 KNOB = {k.name: k for k in KNOBS}
 # The values an engine sets for requests that set none of their own (``Engine.temperature`` ...; a seed is

@@ -11,13 +11,14 @@ import json
 import time
 from dataclasses import dataclass, replace
 
-from hkv_jax.engine import SamplingParams
+from hkv_jax.engine.sampling_params import KNOBS, SamplingParams
 from hkv_jax.models.tokenizer import check_messages, gemma_chat
 
 # OpenAI fields with one value only here.
 _FIXED = {"suffix": None}
-# OpenAI fields that are ``SamplingParams`` fields of the same name (absent: the engine's value).
-_SAMPLING = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+# OpenAI's default temperature (the engine's own is greedy); the other sampling values (``KNOBS``: OpenAI's
+# and vLLM's fields of the same names) left out of a body take the engine's.
+_TEMPERATURE = 1.0
 
 
 class BadRequest(ValueError):
@@ -144,11 +145,11 @@ def parse(body, chat: bool, codec, template: ChatTemplate, limits: Limits) -> Co
         raise BadRequest("logit_bias must be an object of token ids to values") from None
     params = None
     if max_tokens:
+        sampling = {"temperature": _TEMPERATURE} | {k.name: body[k.name] for k in KNOBS if k.name in body}
         params = SamplingParams(max_new_tokens=max_tokens, stop=tuple(codec.eos_ids), logit_bias=bias,
                                 min_tokens=body.get("min_tokens", 0), stop_strings=tuple(stop),
-                                temperature=body.get("temperature", 1.0), seed=body.get("seed"),
                                 logprobs=top is not None, top_logprobs=top or 0,
-                                **{name: body[name] for name in _SAMPLING if name in body})
+                                **sampling)
     return CompletionRequest(chat, prompts, texts, n, params, top, echo, bool(body.get("stream")),
                              options.get("include_usage", False))
 
