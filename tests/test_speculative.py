@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hkv_jax.engine import DraftModelSpec, Engine, EngineConfig, SamplingParams
-from hkv_jax.engine.speculative import NgramSpec, accepted_drafts, keeps_drafting, ngram_drafts
+from hkv_jax.engine.request import keeps_drafting
+from hkv_jax.engine.speculative import NgramSpec, accepted_drafts, ngram_drafts
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 

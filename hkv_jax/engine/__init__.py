@@ -12,7 +12,7 @@ import importlib
 _HOMES = {
     "EngineConfig": "config", "Engine": "engine", "FinishReason": "request", "Request": "request",
     "RequestStatus": "request", "check_stop": "request", "sample": "sampler", "SamplingParams": "sampling_params",
-    "Scheduler": "scheduler", "SchedulerOutput": "scheduler", "DraftModelSpec": "speculative",
+    "Scheduler": "scheduler", "SchedulerOutput": "changes", "DraftModelSpec": "speculative",
     "NgramSpec": "speculative", "KVUsage": "stats", "Stats": "stats", "EngineState": "step",
     "StepOutput": "step_messages", "StepPlan": "step_messages", "StepReport": "step_messages",
 }

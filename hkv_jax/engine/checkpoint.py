@@ -39,7 +39,7 @@ def fork(runner: ModelRunner, scheduler: Scheduler, rid: int, seed: int | None) 
     ``seed`` (``None``: the engine's key); returns its id. ``ValueError`` for a model with Mamba layers
     or a request not running, ``RuntimeError`` without a free request slot."""
     seed = KNOB["seed"].check(seed)
-    parent = scheduler.requests[rid]
+    parent = scheduler.book_pending()[rid]
     layout = runner.layout
     if any(layout.is_mamba(g) for g in range(layout.num_groups)):
         raise ValueError("fork needs an attention-only model: a Mamba state cannot be shared part-way")

@@ -1,8 +1,8 @@
 """The running requests while every one of them decodes, as arrays (the steady state of a full batch).
 
-The scheduler plans such a step from this record without a pass over the requests, and the output
-processor books its tokens with array operations; the tokens wait here (``pending``) until something
-reads the requests, a request finishes, or ``MAX_PENDING`` calls passed.
+The scheduler plans such a step from this record without a pass over the requests, and books its tokens
+with array operations; the tokens wait here (``pending``) until something reads the requests
+(``Scheduler.book_pending``), a request finishes, or ``MAX_PENDING`` calls passed.
 """
 
 from __future__ import annotations

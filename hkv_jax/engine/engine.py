@@ -3,8 +3,9 @@
 Each ``step``: the ``Scheduler`` (``scheduler.py``, host only) decides which requests run and how many
 tokens each computes (a ``SchedulerOutput``); the ``ModelRunner`` (``runner.py``) releases and admits
 what changed and runs the jitted step program on the device (``step.py``: allocation, KV write,
-attention for every KV cache group, sampling), returning a ``StepReport``; the ``OutputProcessor``
-(``output_processor.py``) books it into the requests and decides which are done (``request.check_stop``).
+attention for every KV cache group, sampling), returning a ``StepReport``, which the scheduler books
+into the requests (``Scheduler.update_from_output``: which are done is ``request.check_stop``'s answer);
+the ``OutputProcessor`` (``output_processor.py``) gives their text and finds their stop strings.
 Snapshots, forks and orbax checkpoints are in ``checkpoint.py``.
 """
 
@@ -21,11 +22,11 @@ from hkv_jax.allocator.state import Layout
 from hkv_jax.attention import check_kernel
 from hkv_jax.engine import checkpoint
 from hkv_jax.engine.config import EngineConfig
-from hkv_jax.engine.output_processor import NO_TOKENS, OutputProcessor
+from hkv_jax.engine.output_processor import OutputProcessor
 from hkv_jax.engine.request import Request
 from hkv_jax.engine.runner import ModelRunner
 from hkv_jax.engine.sampling_params import ENGINE_DEFAULTS, KNOB, EngineDefault, SamplingParams, is_integer
-from hkv_jax.engine.scheduler import Scheduler
+from hkv_jax.engine.scheduler import NO_TOKENS, Scheduler
 from hkv_jax.engine.stats import KVUsage, Stats
 from hkv_jax.engine.step import EngineState
 from hkv_jax.models.protocol import PagedModel
@@ -83,8 +84,9 @@ class Engine:
                                    block_size=self.layout.block_sizes[mamba[0]] if mamba else config.block_size,
                                    align=bool(mamba), prefix_caching=config.prefix_caching,
                                    vectorised=config.vectorised,
-                                   num_speculative=spec.num_speculative_tokens if spec else 0)
-        self.processor = OutputProcessor(self.scheduler, self.stats, detokenize, config.num_blocks)
+                                   num_speculative=spec.num_speculative_tokens if spec else 0,
+                                   num_blocks=config.num_blocks, stats=self.stats)
+        self.processor = OutputProcessor(detokenize)
         self.sampling_defaults = dict(ENGINE_DEFAULTS)
         self._checked_defaults: tuple[tuple, dict] = ((), {})  # the defaults last checked, and as checked
         self._last_order, self._last_rows = [], None  # request ids of last_output's rows, and their index
@@ -93,8 +95,9 @@ class Engine:
 
     @property
     def requests(self) -> dict[int, Request]:
-        """Every request by id, with its ``generated`` tokens and ``computed`` count up to date."""
-        return self.scheduler.requests
+        """Every request by id, with its ``generated`` tokens and ``computed`` count up to date (the tokens a
+        decode-only record held back are booked first: ``Scheduler.book_pending``)."""
+        return self.scheduler.book_pending()
 
     def add_request(self, prompt, params: SamplingParams | int, stop: tuple[int, ...] = (), **fields) -> int:
         """Queue a request for ``prompt`` (token ids); returns its id. ``params``: its ``SamplingParams``, or
@@ -186,7 +189,7 @@ class Engine:
             report = self.runner.execute(out, plan)
             self._last_order, self._last_rows = out.request_ids, None
             self.stats.device_seconds += time.perf_counter() - t_dispatch
-            sampled = self.processor.book(out, report)
+            sampled = self.scheduler.update_from_output(out, report, self.processor.stop_string)
             t = time.perf_counter()
             self.stats.seconds += t - t0
             if timed and self.runner.compilations() == compiled:

@@ -17,40 +17,16 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
-from hkv_jax.engine.changes import Changes, prompt_buffer
-from hkv_jax.engine.decode_batch import DecodeBatch
-from hkv_jax.engine.request import FinishReason, Request, RequestStatus
+from hkv_jax.engine.changes import Changes, SchedulerOutput, prompt_buffer
+from hkv_jax.engine.decode_batch import DecodeBatch, book_logprobs
+from hkv_jax.engine.request import FinishReason, Request, RequestStatus, check_stop, keeps_drafting, may_stop
+from hkv_jax.engine.stats import Stats
 
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """One step's plan: the requests it runs, in plan order, and what changes before it runs.
-
-    ``request_ids`` and ``requests``: the planned requests (decoding first, then running ones with a
-    chunk, then waiting ones); ``slots: i32[R]`` their slots and ``num_tokens: i32[R]`` the tokens each
-    computes (-1 and 0 past them); ``num_decoding`` of them decode one token and ``num_running`` were
-    running; ``admitted``: ids of the waiting ones admitted now; ``changes``: the releases and the
-    admitted prompts (``None``: nothing to change); ``decode_batch``: the decode-only record this plan
-    came from (every running request decodes), or ``None``; ``multi_step``: whether several decode
-    steps may run in one call (a decode-only plan that no waiting request could join); ``num_drafts:
-    i32[R]``: speculative decoding, the most draft tokens each decoding request may verify (budget they
-    took besides ``num_tokens``; ``None``: none anywhere)."""
-
-    request_ids: list[int]
-    requests: list[Request]
-    slots: np.ndarray
-    num_tokens: np.ndarray
-    num_decoding: int
-    num_running: int
-    admitted: list[int]
-    changes: Changes | None
-    decode_batch: DecodeBatch | None = None
-    multi_step: bool = False
-    num_drafts: np.ndarray | None = None
+NO_TOKENS = (np.zeros(0, np.int64), np.zeros(0, np.int32))
 
 
 class Scheduler:
@@ -63,11 +39,13 @@ class Scheduler:
     may verify per step (speculative decoding; they take budget as computed tokens do)."""
 
     def __init__(self, *, max_requests: int, token_budget: int, block_size: int, align: bool = False,
-                 prefix_caching: bool = True, vectorised: bool = True, num_speculative: int = 0):
+                 prefix_caching: bool = True, vectorised: bool = True, num_speculative: int = 0,
+                 num_blocks: int = 0, stats: Stats | None = None):
         self.max_requests, self.token_budget, self.block_size = max_requests, token_budget, block_size
+        self.num_blocks, self.stats = num_blocks, Stats() if stats is None else stats
         self.align, self.prefix_caching, self.vectorised = align, prefix_caching, vectorised
         self.num_speculative = num_speculative
-        self._requests: dict[int, Request] = {}
+        self.requests: dict[int, Request] = {}  # by id (``book_pending``: with every token booked)
         self.waiting: list[int] = []   # request ids, front first
         self.running: list[int] = []   # admission order
         self.to_free: list[int] = []   # slots freed in the next step
@@ -81,42 +59,42 @@ class Scheduler:
 
     # --- the requests --------------------------------------------------------------------
 
-    @property
-    def requests(self) -> dict[int, Request]:
-        """Every request by id, with its ``generated`` tokens and ``computed`` count up to date."""
+    def book_pending(self) -> dict[int, Request]:
+        """Book the tokens the decode-only record holds back (``DecodeBatch.flush``) into their requests;
+        returns ``requests``, every one with its ``generated`` tokens and ``computed`` count up to date."""
         if self._batch is not None:
             self._batch.flush()
-        return self._requests
+        return self.requests
 
     def add(self, prompt: list[int], params, bias: tuple = ()) -> int:
         """Queue a request (checked by the engine); returns its id."""
         rid = self.next_id
         self.next_id += 1
-        self._requests[rid] = Request(rid, prompt, params, bias=bias, arrival_time=time.time())
+        self.requests[rid] = Request(rid, prompt, params, bias=bias, arrival_time=time.time())
         self.waiting.append(rid)
         return rid
 
     def add_fork(self, parent: int, slot: int, params, computed: int) -> int:
         """A running copy of running request ``parent`` in ``slot``, which the allocator has already forked
         the parent into, sampling with ``params`` and ``computed`` tokens computed; returns its id."""
-        child = copy.deepcopy(self.requests[parent])
+        child = copy.deepcopy(self.book_pending()[parent])
         child.rid, child.slot, child.params, child.computed = self.next_id, slot, params, computed
         self.next_id += 1
-        self._requests[child.rid] = child
+        self.requests[child.rid] = child
         self.running.append(child.rid)
         self._running_changed()
         return child.rid
 
     def forget(self, rid: int) -> Request:
         """Drop finished request ``rid`` and return it. ``ValueError`` while it is not done."""
-        r = self.requests[rid]
+        r = self.book_pending()[rid]
         if not r.done:
             raise ValueError(f"request {rid} is not done")
-        return self._requests.pop(rid)
+        return self.requests.pop(rid)
 
     def abort(self, rid: int) -> bool:
         """End ``rid`` now; ``False`` if it had ended; ``KeyError`` for an id never added."""
-        requests = self.requests  # books the decode tokens still pending
+        requests = self.book_pending()
         if rid not in requests:
             raise KeyError(f"no request {rid}")
         r = requests[rid]
@@ -177,7 +155,7 @@ class Scheduler:
         """After a step was booked request by request: keep a record if every running request decodes.
         (A request about to sample its first token stays out of it: its first token is booked then. So
         does a batch with stop strings: each step's text must be looked at.)"""
-        live = [self._requests[rid] for rid in self.running] if self.vectorised else []
+        live = [self.requests[rid] for rid in self.running] if self.vectorised else []
         decoding = live and all(r.total - r.computed == 1 and r.generated and not r.stop_strings for r in live)
         self._batch = DecodeBatch.of(self._version, live) if decoding else None
 
@@ -238,7 +216,7 @@ class Scheduler:
         decoding: list[tuple[int, int]] = []  # (request id, tokens)
         chunked: list[tuple[int, int]] = []
         drafts: list[int] = []  # of the decoding ones
-        requests = self.requests
+        requests = self.book_pending()
         for rid in self.running:
             r = requests[rid]
             if budget > 0 and len(r.prompt) + len(r.generated) - r.computed == 1:  # decoding: the usual case
@@ -295,7 +273,7 @@ class Scheduler:
         salts = np.zeros(R, np.uint32)
         prompts: list[int] = []
         for i, rid in enumerate(admit):
-            r = self._requests[rid]
+            r = self.requests[rid]
             if not self.prefix_caching:
                 self.admissions += 1
                 r.salt = self.admissions
@@ -311,7 +289,7 @@ class Scheduler:
         if out.changes is not None:
             self.to_free, self.to_preempt = [], []
         for rid in out.admitted:
-            self._requests[rid].admitted = True
+            self.requests[rid].admitted = True
 
     def handle_refusals(self, refused: list[tuple[int, int]], num_blocks: int) -> bool:
         """vLLM's policy for requests the allocator refused (``(id, tokens wanted)``): a refused running
@@ -325,7 +303,7 @@ class Scheduler:
             if len(self.running) > 1:
                 victim = self.running.pop()
                 self._running_changed()
-                r = self._requests[victim]
+                r = self.requests[victim]
                 self.to_preempt.append(r.slot)
                 r.computed = 0
                 r.admitted = self.prefix_caching  # without caching: re-admitted under a new salt
@@ -340,25 +318,163 @@ class Scheduler:
             return False  # waiting requests retry once blocks come free
         else:
             rid, want = refused[0]
-        r = self._requests[rid]
+        r = self.requests[rid]
         if want <= 1:
             raise RuntimeError(f"request {rid} ({r.total} tokens) does not fit the KV pool "
                                f"({num_blocks} blocks) even alone")
         r.max_chunk = want // 2
         return False
 
+    # --- results ----------------------------------------------------------------------------
+
+    def update_from_output(self, out: SchedulerOutput, report, stop_string: Callable[[Request], str | None] = None
+                           ) -> tuple[np.ndarray, np.ndarray]:
+        """Book ``report`` (the ``StepReport`` of consecutive steps of ``out``, or of one speculative step's
+        positions; not imported here: its module imports jax) into the requests: tokens, log-probabilities,
+        starts, finishes (``request.check_stop``, the one stop rule), refusals and drafting. Every change of
+        a request's state after a step is made here. ``stop_string(r)``: the stop string ``r``'s text now
+        holds (the output processor's). Returns the sampled request ids ``i64[n]`` and tokens ``i32[n]``
+        in step order.
+
+        The leading steps that decoded every request of a decode-only record, each allocated and sampled,
+        are booked with array operations (the tokens wait in the record); any other step request by request."""
+        clean = 0
+        if out.decode_batch is not None:
+            ok = report.clean_decodes()
+            clean = len(ok) if ok.all() else int(ok.argmin())
+            if report.speculative and clean > 1:  # no request may stop before the last position booked as arrays
+                d = out.decode_batch
+                left = d.tokens_left[None, :] - np.arange(1, clean + 1)[:, None]
+                stops = may_stop(left, report.tokens[:clean], d.stops).any(axis=1)
+                clean = int(stops.argmax()) + 1 if stops.any() else clean
+        rids, tokens = self._book_decodes(out.decode_batch, report.steps(slice(clean))) if clean else NO_TOKENS
+        self.stats.steps += 1 if report.speculative else len(report)
+        self.stats.array_steps += min(clean, 1) if report.speculative else clean
+        # At most one step here without drafts: a call stops at the first step the host must see.
+        refused = []
+        for i in range(clean, len(report)):
+            events = self._book(out, report.steps(slice(i, i + 1)), refused, stop_string, first=i == 0)
+            if events:
+                rids = np.concatenate([rids, np.array([rid for rid, _ in events], np.int64)])
+                tokens = np.concatenate([tokens, np.array([tok for _, tok in events], np.int32)])
+        # Once every position is booked: a request preempted now has all its tokens.
+        if refused:
+            self.stats.preemptions += self.handle_refusals(refused, self.num_blocks)
+        if clean < len(report):
+            self.refresh_decode_batch()
+        if report.speculative:
+            self._book_drafts(out, report)
+        return rids, tokens
+
+    def _book_drafts(self, out: SchedulerOutput, report) -> None:
+        """Count a speculative step's drafts and accepted tokens; requests whose drafts are rarely accepted
+        stop drafting (``request.keeps_drafting``)."""
+        drafted = report.drafted[0]
+        accepted = np.maximum(report.sampled.sum(axis=0) - 1, 0)
+        lanes = np.flatnonzero(drafted)
+        stats = self.stats
+        stats.spec_drafts += len(lanes)
+        stats.spec_draft_tokens += int(drafted.sum())
+        stats.spec_accepted_tokens += int(accepted[lanes].sum())
+        stop = []
+        # Every lane that could draft and sampled took part, whether its n-gram matched or not.
+        took_part = (out.num_drafts[:drafted.shape[0]] > 0) & (report.sampled[0] > 0)
+        for i in np.flatnonzero(took_part).tolist():
+            r = out.requests[i]
+            r.spec_steps += 1
+            r.draft_tokens += int(drafted[i])
+            r.accepted_tokens += int(accepted[i])
+            if not r.done and not keeps_drafting(r.spec_steps, r.draft_tokens, r.accepted_tokens):
+                stop.append(r)
+        if stop:
+            self.stop_drafting(stop)
+
+    def _book(self, out: SchedulerOutput, report, refused: list[tuple[int, int]], stop_string,
+              first: bool = True) -> list[tuple[int, int]]:
+        """Apply one step's report to the requests ``out`` planned; returns the sampled (id, token) pairs and
+        adds the refused lanes' (id, tokens wanted) to ``refused``. ``first=False``: a later position of a
+        speculative step (lanes refused, done, or that emitted fewer tokens are left alone)."""
+        ok, n, hit, sampled, tokens = (x[0].tolist() for x in (report.ok, report.num_new, report.cache_hit,
+                                                                report.sampled, report.tokens))
+        now = time.time()
+        events = []
+        stats, requests = self.stats, self.book_pending()  # a step booked request by request follows any in the record
+        stats.tokens_computed += sum(n)  # 0 on refused lanes
+        for i, rid in enumerate(out.request_ids):
+            r = requests[rid]
+            if not first:
+                if ok[i] and sampled[i] and not r.done:
+                    r.computed += n[i]
+                    self._append(r, report, i, tokens[i], events, now, stop_string)
+                continue
+            if not ok[i]:
+                refused.append((rid, int(out.num_tokens[i])))
+                continue
+            if i >= out.num_running:  # a waiting request starts running
+                self.start(r)
+                r.cache_hit = hit[i]
+                stats.cache_hit_tokens += hit[i]
+                stats.prompt_tokens += r.total
+            r.computed += hit[i] + n[i]
+            if sampled[i]:
+                self._append(r, report, i, tokens[i], events, now, stop_string)
+        stats.generated += len(events)
+        return events
+
+    def _append(self, r: Request, report, i: int, tok: int, events: list, now: float,
+                stop_string) -> None:
+        """``r`` (lane ``i`` of ``report``) generated ``tok``: book it, and finish ``r`` if it stops there."""
+        if not r.generated:
+            r.first_token_time = now
+        r.generated.append(tok)
+        if r.logprobs is not None:
+            book_logprobs(r, report.logprob[:, i], report.top_ids[..., i], report.top_logprobs[..., i])
+        events.append((r.rid, tok))
+        found = stop_string(r) if r.stop_strings and len(r.generated) > r.min_tokens else None
+        reason = check_stop(r.params, len(r.generated), tok, found)
+        if reason is not None:
+            r.stop_string = found
+            self.finish(r, reason, now)
+
+    def _book_decodes(self, d: DecodeBatch, report) -> tuple[np.ndarray, np.ndarray]:
+        """``_book`` for ``k`` steps that decoded every request of ``d``, each allocated and sampled (only the
+        last may finish a request), with array operations: the tokens wait in ``d``, and only finished
+        requests get theirs now."""
+        tokens = report.tokens
+        k, n = tokens.shape
+        d.add(tokens, (report.logprob, report.top_ids, report.top_logprobs) if d.logprobs else None)
+        self.stats.tokens_computed += k * n
+        self.stats.generated += k * n
+        last = tokens[-1]
+        finished = []
+        for i in np.flatnonzero(may_stop(d.tokens_left, last, d.stops)).tolist():
+            r = d.requests[i]
+            reason = check_stop(r.params, r.max_new_tokens - int(d.tokens_left[i]), int(last[i]))
+            if reason is not None:
+                finished.append((i, reason))
+        rids = np.tile(d.rid_array, k)
+        if finished:
+            d.flush([i for i, _ in finished])
+            now = time.time()
+            for i, reason in finished:
+                r = d.requests[i]
+                self.to_free.append(r.slot)
+                r.finish(reason, now)
+            self.shrink_decode_batch([i for i, _ in finished])
+        return rids, tokens.ravel()
+
     # --- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         """Its state (the requests themselves, not copies)."""
-        return {"requests": self.requests, "waiting": self.waiting, "running": self.running,
+        return {"requests": self.book_pending(), "waiting": self.waiting, "running": self.running,
                 "to_free": self.to_free, "to_preempt": self.to_preempt, "next_id": self.next_id,
                 "admissions": self.admissions, "hold_admissions": self.hold_admissions}
 
     def load_state_dict(self, h: dict) -> None:
         """Take the state ``state_dict`` gave (not copied). Tokens pending in the old record belonged to the
         requests replaced here: they are dropped with it."""
-        self._requests, self.waiting, self.running = h["requests"], h["waiting"], h["running"]
+        self.requests, self.waiting, self.running = h["requests"], h["waiting"], h["running"]
         self.to_free, self.to_preempt, self.next_id = h["to_free"], h["to_preempt"], h["next_id"]
         self.admissions, self.hold_admissions = h["admissions"], h["hold_admissions"]
         self._batch = None
