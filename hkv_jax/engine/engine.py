@@ -1,12 +1,10 @@
 """``Engine``: the front of the serving loop, in vLLM v1's layering.
 
-Each ``step``: the ``Scheduler`` (``scheduler.py``, host only) decides which requests run and how many
-tokens each computes (a ``SchedulerOutput``); the ``ModelRunner`` (``runner.py``) releases and admits
-what changed and runs the jitted step program on the device (``step.py``: allocation, KV write,
-attention for every KV cache group, sampling), returning a ``StepReport``, which the scheduler books
-into the requests (``Scheduler.update_from_output``: which are done is ``request.check_stop``'s answer);
-the ``OutputProcessor`` (``output_processor.py``) gives their text and finds their stop strings.
-Snapshots, forks and orbax checkpoints are in ``checkpoint.py``.
+Each ``step``: the ``Scheduler`` (host only) plans which requests run and their tokens (``SchedulerOutput``);
+the ``ModelRunner`` releases and admits what changed and runs the jitted step program (``step.py``:
+allocation, KV write, attention for every KV cache group, sampling), returning a ``StepReport``, which
+``Scheduler.update_from_output`` books into the requests (``request.check_stop`` says which are done); the
+``OutputProcessor`` gives their text and stop strings. Snapshots and checkpoints: ``checkpoint.py``.
 """
 
 from __future__ import annotations
@@ -95,8 +93,7 @@ class Engine:
 
     @property
     def requests(self) -> dict[int, Request]:
-        """Every request by id, with its ``generated`` tokens and ``computed`` count up to date (the tokens a
-        decode-only record held back are booked first: ``Scheduler.book_pending``)."""
+        """Every request by id, its tokens and ``computed`` count up to date (``Scheduler.book_pending``)."""
         return self.scheduler.book_pending()
 
     def add_request(self, prompt, params: SamplingParams | int, stop: tuple[int, ...] = (), **fields) -> int:
