@@ -71,7 +71,7 @@ def test_check_stop_names_the_reason():
 
 
 def _scheduler(**kw) -> Scheduler:
-    return Scheduler(**{"max_requests": 3, "token_budget": 8, "block_size": 4, **kw})
+    return Scheduler(**{"max_requests": 3, "token_budget": 8, "block_size": 4, "num_blocks": 16, **kw})
 
 
 def _run(s: Scheduler, out, refused=()) -> None:
@@ -86,7 +86,7 @@ def _run(s: Scheduler, out, refused=()) -> None:
         if r.computed == r.total:  # it sampled a token
             r.generated.append(0)
     if refused:
-        s.handle_refusals([(rid, int(out.num_tokens[out.request_ids.index(rid)])) for rid in refused], 16)
+        s.handle_refusals([(rid, int(out.num_tokens[out.request_ids.index(rid)])) for rid in refused])
 
 
 def test_the_scheduler_plans_decodes_first_then_chunks_within_the_budget():

@@ -36,7 +36,8 @@ class Scheduler:
     chunks stop at block boundaries (Mamba); ``prefix_caching=False`` gives every admission a cache salt
     of its own, so nothing ever hits; ``vectorised``: keep the decode-only record (the per-request
     allocator runs the per-request pass every step); ``num_speculative``: draft tokens a decoding request
-    may verify per step (speculative decoding; they take budget as computed tokens do)."""
+    may verify per step (speculative decoding; they take budget as computed tokens do); ``num_blocks``: the
+    pool's size (named when a request cannot fit it); ``stats``: the counters it adds to (the engine's)."""
 
     def __init__(self, *, max_requests: int, token_budget: int, block_size: int, align: bool = False,
                  prefix_caching: bool = True, vectorised: bool = True, num_speculative: int = 0,
@@ -291,7 +292,7 @@ class Scheduler:
         for rid in out.admitted:
             self.requests[rid].admitted = True
 
-    def handle_refusals(self, refused: list[tuple[int, int]], num_blocks: int) -> bool:
+    def handle_refusals(self, refused: list[tuple[int, int]]) -> bool:
         """vLLM's policy for requests the allocator refused (``(id, tokens wanted)``): a refused running
         request preempts the latest admitted running one (itself, if it is the latest) and no new
         request is admitted next step; a refused waiting request just waits. A request refused while it
@@ -321,13 +322,13 @@ class Scheduler:
         r = self.requests[rid]
         if want <= 1:
             raise RuntimeError(f"request {rid} ({r.total} tokens) does not fit the KV pool "
-                               f"({num_blocks} blocks) even alone")
+                               f"({self.num_blocks} blocks) even alone")
         r.max_chunk = want // 2
         return False
 
     # --- results ----------------------------------------------------------------------------
 
-    def update_from_output(self, out: SchedulerOutput, report, stop_string: Callable[[Request], str | None] = None
+    def update_from_output(self, out: SchedulerOutput, report, stop_string: Callable[[Request], str | None]
                            ) -> tuple[np.ndarray, np.ndarray]:
         """Book ``report`` (the ``StepReport`` of consecutive steps of ``out``, or of one speculative step's
         positions; not imported here: its module imports jax) into the requests: tokens, log-probabilities,
@@ -359,7 +360,7 @@ class Scheduler:
                 tokens = np.concatenate([tokens, np.array([tok for _, tok in events], np.int32)])
         # Once every position is booked: a request preempted now has all its tokens.
         if refused:
-            self.stats.preemptions += self.handle_refusals(refused, self.num_blocks)
+            self.stats.preemptions += self.handle_refusals(refused)
         if clean < len(report):
             self.refresh_decode_batch()
         if report.speculative:
