@@ -79,7 +79,10 @@ def implementations(mode: str, smoke: bool):
         impls["mosaic_gpu_nosplit"] = lambda *a: paged_attention_mgpu.paged_attention(*a, params, interpret=smoke,
                                                                                       splits=1)
     if mode == "decode":
-        impls["jax"] = jax_paged_attention(smoke)
+        try:
+            impls["jax"] = jax_paged_attention(smoke)
+        except ImportError as e:  # JAX 0.12.1 dropped pallas.ops.gpu.paged_attention
+            print(f"# JAX's own paged_attention left out: {e}", file=sys.stderr)
     return impls
 
 
