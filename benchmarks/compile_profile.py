@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     log = CompileLog()
     logging.getLogger("jax").addHandler(log)
     jax.config.update("jax_log_compiles", True)
-    engine, _ = build_engine(ServeConfig(model=args.model, impl=args.impl))
+    engine, _ = build_engine(ServeConfig(model=args.model, engine={"impl": args.impl}))
     for n in (40, 33):  # a prefill step, then decode steps: the full and the lean program
         engine.add_request(list(range(1, n + 1)), 3)
     engine.run()

@@ -57,7 +57,7 @@ from allocator_step import BS, MODELS, PROMPT
 from flax import nnx
 
 from hkv_jax.engine import Engine
-from hkv_jax.generate import GenerateConfig
+from hkv_jax.generate import GENERATE_DEFAULTS
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 from hkv_jax.planner import cdiv, plan
 from hkv_jax.spec import layers_from_trace
@@ -129,13 +129,13 @@ def dispatch_floor(engine: Engine, runs: int = 200) -> float:
 def run_one(model_name: str, batch: int, path: str, decode: int, repeats: int, k: int = 1,
             early: bool = False) -> dict:
     """One row: ``path`` with up to ``k`` decode steps a call (``k`` > 1 only on the multi path; the served
-    path's are ``GenerateConfig``'s); ``early``: window-aware eviction."""
+    path's are ``hkv generate``'s, ``GENERATE_DEFAULTS``); ``early``: window-aware eviction."""
     layers = workload_layers(model_name, head_size=1)
     model = NoOpLM(layers)
     vectorised = path != "old"
     budget = None
     if path == "served":
-        k, budget = GenerateConfig.decode_steps, GenerateConfig.max_call_seconds
+        k, budget = GENERATE_DEFAULTS["decode_steps"], GENERATE_DEFAULTS["max_call_seconds"]
     # Warm-up engine: compiles prepare (this prompt size) and the step programs (the prefill, the first decode
     # step's full program, then the lean or multi-step one; the served path times one-step calls first).
     eng = make_engine(model, layers, batch, decode, vectorised, k, early, budget)

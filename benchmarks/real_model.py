@@ -46,7 +46,9 @@ import machine
 import numpy as np
 
 from hkv_jax.demo import QUESTIONS
-from hkv_jax.generate import GenerateConfig, engine_for
+from hkv_jax.engine import Engine
+from hkv_jax.engine.factory import engine_config
+from hkv_jax.generate import GENERATE_DEFAULTS
 from hkv_jax.models.hf_config import layers_from_hf_config
 from hkv_jax.models.presets import load_preset
 from hkv_jax.models.pretrained import load_pretrained, pretrained_path
@@ -77,15 +79,16 @@ def ours(
     batch: list[list[int]],
     new_tokens: int,
     token_budget: int,
-    decode_steps: int = GenerateConfig.decode_steps,
-    max_call_seconds: float | None = GenerateConfig.max_call_seconds,
+    decode_steps: int = GENERATE_DEFAULTS["decode_steps"],
+    max_call_seconds: float | None = GENERATE_DEFAULTS["max_call_seconds"],
     warm_up: bool = True,
 ) -> tuple[dict, list[list[int]]]:
     """Our engine's generated tokens/s on ``batch`` (after a warm-up run of the same shapes), and the
     tokens each request generated; by default with ``hkv generate``'s decode steps per call."""
     max_len = max(len(p) for p in batch) + new_tokens
-    engine = engine_for(model, max_len, max_requests=len(batch), token_budget=token_budget,
-                        decode_steps=decode_steps, max_call_seconds=max_call_seconds)
+    engine = Engine(model, engine_config(model, max_model_len=max_len, max_requests=len(batch),
+                                         token_budget=token_budget, decode_steps=decode_steps,
+                                         max_call_seconds=max_call_seconds))
     for timed in (False, True)[0 if warm_up else 1:]:
         t0 = time.perf_counter()
         steps0, gen0 = engine.stats.steps, engine.stats.generated
@@ -200,9 +203,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--token-budget", type=int, default=512)
-    ap.add_argument("--decode-steps", type=int, default=GenerateConfig.decode_steps,
+    ap.add_argument("--decode-steps", type=int, default=GENERATE_DEFAULTS["decode_steps"],
                     help="our engine's most decode steps per program (default: hkv generate's)")
-    ap.add_argument("--max-call-ms", type=float, default=GenerateConfig.max_call_seconds * 1e3,
+    ap.add_argument("--max-call-ms", type=float, default=GENERATE_DEFAULTS["max_call_seconds"] * 1e3,
                     help="as many of them as fit this many ms (default: hkv generate's; 0: no bound)")
     ap.add_argument("--quantize", choices=QUANTIZE, help="our engine's weights: int8 (default float32)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp threads")

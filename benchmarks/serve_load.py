@@ -134,7 +134,8 @@ def start_server(model: str, max_requests: int, max_model_len: int | None):
     from hkv_jax.models.tokenizer import ByteCodec
     from hkv_jax.serve import CompletionServer
 
-    engine, codec = build_engine(ServeConfig(model=model, max_requests=max_requests, max_model_len=max_model_len),
+    engine, codec = build_engine(ServeConfig(model=model, engine={"max_requests": max_requests,
+                                                                  "max_model_len": max_model_len}),
                                  max_logit_bias=16)
     server = CompletionServer(engine, codec or ByteCodec(), model)
     host, port = server.start("127.0.0.1", 0, warm=True)

@@ -35,8 +35,9 @@ import time
 
 import machine
 
-from hkv_jax.engine import NgramSpec, SamplingParams
-from hkv_jax.generate import GenerateConfig, engine_for
+from hkv_jax.engine import Engine, NgramSpec, SamplingParams
+from hkv_jax.engine.factory import engine_config
+from hkv_jax.generate import GENERATE_DEFAULTS
 from hkv_jax.models.pretrained import load_pretrained
 from hkv_jax.models.tokenizer import gemma_chat
 
@@ -97,10 +98,9 @@ def measure(model, prompts: list[list[int]], params: SamplingParams, args) -> tu
     machine's speed drifts within minutes), after a warm-up run of each; medians, and the drafts' figures."""
     c = len(prompts)
     longest = max(len(p) for p in prompts) + args.new_tokens
-    gen = GenerateConfig()
     options = {"decode_steps": args.decode_steps, "max_call_seconds": args.max_call_ms / 1e3 or None}
-    engines = [engine_for(model, longest, max_requests=c, token_budget=args.token_budget,
-                          block_size=gen.block_size, **options, **spec)
+    engines = [Engine(model, engine_config(model, max_model_len=longest, max_requests=c,
+                                           token_budget=args.token_budget, **options, **spec))
                for spec in ({}, {"speculative": NgramSpec(args.num_speculative_tokens)})]
     for engine in engines:
         run(engine, prompts, params)  # compiles
@@ -124,9 +124,9 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--token-budget", type=int, default=64)
-    p.add_argument("--decode-steps", type=int, default=GenerateConfig.decode_steps,
+    p.add_argument("--decode-steps", type=int, default=GENERATE_DEFAULTS["decode_steps"],
                    help="without speculation: decode steps per program (default: hkv generate's)")
-    p.add_argument("--max-call-ms", type=float, default=GenerateConfig.max_call_seconds * 1e3)
+    p.add_argument("--max-call-ms", type=float, default=GENERATE_DEFAULTS["max_call_seconds"] * 1e3)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompts", default="copy,free,free-sampled", help="the workloads (default: all three)")
     p.add_argument("--json", action="store_true")

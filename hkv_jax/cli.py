@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -123,10 +122,11 @@ def _decode_options(args: argparse.Namespace) -> dict:
     return options
 
 
-def _serve_config(args: argparse.Namespace, config=None, **fields):
-    """The ``ServeConfig`` (or ``config``, a subclass: ``DemoConfig``) of ``demo`` or ``serve``
-    (``_pool_options``, ``_engine_options``, ``--model``, ``--seed``; ``fields``: more of its fields), checked
-    before anything is loaded or compiled."""
+def _serve_config(args: argparse.Namespace, config=None, engine: dict | None = None, **fields):
+    """The ``ServeConfig`` (or ``config``, a subclass: ``DemoConfig``) of ``demo`` or ``serve`` (``--model``,
+    ``--seed``, ``--quantize``; the pool sizes, ``--policy``, ``--impl`` and ``_decode_options`` as its engine
+    fields, with ``engine``'s; ``fields``: more of its own fields), checked before anything is loaded or
+    compiled."""
     from hkv_jax.engine.factory import ServeConfig, default_model
     from hkv_jax.models.pretrained import is_pretrained
 
@@ -137,15 +137,16 @@ def _serve_config(args: argparse.Namespace, config=None, **fields):
     model = args.model or default_model()
     if args.quantize and not is_pretrained(model):
         raise CliError(f"--quantize needs a real model (gemma-3-270m, a .gguf file or a checkpoint), not {model}")
-    return replace((config or ServeConfig)(model=model, seed=args.seed, quantize=args.quantize, policy=args.policy,
-                                           impl=args.impl, **_decode_options(args), **fields), **sizes)
+    engine = {"policy": args.policy, "impl": args.impl, **_decode_options(args), **sizes, **(engine or {})}
+    return (config or ServeConfig)(model=model, seed=args.seed, quantize=args.quantize, engine=engine, **fields)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from hkv_jax.demo import DemoConfig, main_demo
 
     _positive(args, "requests")
-    cfg = _serve_config(args, DemoConfig, requests=args.requests, window_aware_eviction=args.window_aware_eviction)
+    cfg = _serve_config(args, DemoConfig, engine={"window_aware_eviction": args.window_aware_eviction},
+                        requests=args.requests)
     use_compilation_cache()
     return main_demo(cfg, as_json=args.json)
 
@@ -159,7 +160,8 @@ def _generate_config(args: argparse.Namespace):
         raise CliError("the prompt is empty")
     cfg = GenerateConfig(model=args.model, max_new_tokens=args.max_new_tokens, chat=not args.raw,
                          sampling={k.name: getattr(args, k.name) for k in KNOBS if k.name != "seed"},
-                         stop=tuple(args.stop), seed=args.seed, quantize=args.quantize, **_decode_options(args))
+                         stop=tuple(args.stop), quantize=args.quantize,
+                         engine={"seed": args.seed, **_decode_options(args)})
     try:
         cfg.params()
     except ValueError as e:  # SamplingParams' message, in the flags' names

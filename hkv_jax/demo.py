@@ -54,7 +54,7 @@ _QUESTION = "Q: {}\nA:"
 
 @dataclass(frozen=True)
 class DemoConfig(ServeConfig):
-    """The demo's workload, and the model and engine sizes (``ServeConfig``'s fields) it runs on."""
+    """The demo's workload, and the model and engine (``ServeConfig``'s fields) it runs on."""
 
     requests: int = 24
     turns: int = 3
@@ -145,7 +145,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         owner[last[c]] = c
         turns_left[c] -= 1
 
-    naive = plan(_all_full_attention(engine.model_layers), block_size=cfg.block_size, policy="naive",
+    naive = plan(_all_full_attention(engine.model_layers), block_size=engine.config.block_size, policy="naive",
                  num_blocks=2)
     peak_blocks = [0] * engine.layout.num_groups
     peak_ours = peak_naive = 0
@@ -189,7 +189,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         **({"spec_draft_tokens": s.spec_draft_tokens, "spec_accepted_tokens": s.spec_accepted_tokens,
             "spec_acceptance_rate": round(s.acceptance_rate, 3),
             "spec_mean_accepted_length": round(s.spec_accepted_tokens / max(s.spec_drafts, 1), 2)}
-           if cfg.speculative else {}),
+           if engine.config.speculative else {}),
         # Per request, from its own times (Request.arrival_time ...): the first ones include compiling.
         "ttft_ms_median": round(float(np.median(ttft)), 1), "ttft_ms_p90": round(float(np.percentile(ttft, 90)), 1),
         "tpot_ms_median": round(float(np.median(tpot)), 1) if tpot else None,

@@ -13,16 +13,21 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from hkv_jax.engine import Engine, EngineConfig, NgramSpec, SamplingParams
-from hkv_jax.engine.factory import ServeConfig, pool_blocks
+from hkv_jax.engine import Engine, SamplingParams
+from hkv_jax.engine.factory import SERVE_DEFAULTS, check_engine_fields, engine_config
 from hkv_jax.engine.sampling_params import KNOBS
 from hkv_jax.models.pretrained import load_pretrained
 from hkv_jax.models.tokenizer import gemma_chat
 
+# ``hkv generate``'s engine fields unless ``GenerateConfig.engine`` gives them: ``hkv serve``'s decoding
+# (``SERVE_DEFAULTS``), and 256-token prefill chunks (one request, so a long prompt takes fewer steps).
+GENERATE_DEFAULTS = {**SERVE_DEFAULTS, "token_budget": 256}
+
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    """What ``hkv generate`` runs."""
+    """What ``hkv generate`` runs. ``engine``: ``EngineConfig`` fields (``GENERATE_DEFAULTS`` for those left
+    out; the pool holds the one request, of the prompt plus ``max_new_tokens``)."""
 
     model: str = "gemma-3-270m"
     max_new_tokens: int = 64
@@ -31,14 +36,12 @@ class GenerateConfig:
     # are greedy and uncut, with no penalty.
     sampling: dict = field(default_factory=dict)
     stop: tuple[str, ...] = ()    # stop strings
-    block_size: int = 16
-    token_budget: int = 256
     kv_dtype: str = "float32"
     quantize: str | None = None   # "int8": int8 weights (hkv_jax.models.quant)
-    decode_steps: int = ServeConfig.decode_steps          # as ``hkv serve``'s
-    max_call_seconds: float | None = ServeConfig.max_call_seconds
-    speculative: NgramSpec | None = None   # speculative decoding (Engine(speculative=...))
-    seed: int = 0
+    engine: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        check_engine_fields(self.engine)
 
     def params(self, eos_ids=()) -> SamplingParams:
         """The request's ``SamplingParams`` (``ValueError`` for a value out of range or an unknown name)."""
@@ -50,19 +53,6 @@ class GenerateConfig:
                               **self.sampling)
 
 
-def engine_for(model, max_model_len: int, *, max_requests: int = 1, block_size: int = 16,
-               token_budget: int = 256, seed: int = 0, num_blocks: int | None = None,
-               policy: str = EngineConfig.policy, **kwargs) -> Engine:
-    """An engine for ``model`` whose pool (unless ``num_blocks`` is given) holds ``max_requests`` requests of
-    ``max_model_len`` tokens, counting a sliding window's extra blocks during a prefill chunk."""
-    if num_blocks is None:
-        num_blocks = pool_blocks(model, max_model_len, max_requests=max_requests, block_size=block_size,
-                                 token_budget=token_budget, policy=policy)
-    return Engine(model, num_blocks=num_blocks, block_size=block_size, policy=policy,
-                  max_requests=max_requests, max_model_len=max_model_len, token_budget=token_budget,
-                  seed=seed, **kwargs)
-
-
 def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progress: bool = True) -> dict:
     """Stream the continuation of ``prompt`` to ``out``; returns ids, text and timings.
 
@@ -72,10 +62,9 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
     t0 = time.perf_counter()
     model, codec = load_pretrained(cfg.model, kv_dtype=cfg.kv_dtype, quantize=cfg.quantize, progress=progress)
     ids = codec.encode(gemma_chat([{"role": "user", "content": prompt}]) if cfg.chat else prompt)
-    engine = engine_for(model, len(ids) + cfg.max_new_tokens, block_size=cfg.block_size,
-                        token_budget=cfg.token_budget, seed=cfg.seed, decode_steps=cfg.decode_steps,
-                        max_call_seconds=cfg.max_call_seconds, speculative=cfg.speculative,
-                        detokenize=codec.decode)
+    config = engine_config(model, **{**GENERATE_DEFAULTS, **cfg.engine, "max_requests": 1,
+                                     "max_model_len": len(ids) + cfg.max_new_tokens})
+    engine = Engine(model, config, detokenize=codec.decode)
     rid = engine.add_request(ids, cfg.params(codec.eos_ids))
     load_s = time.perf_counter() - t0
     bar = None

@@ -127,7 +127,8 @@ def pytest_runtest_teardown(item, nextitem):
 # The tests' ``hkv serve``: tiny-gptoss on byte tokens, in this process. test_serve.py, the serve soak
 # (test_benchmarks.py) and the client snippets and examples (test_examples.py) run in one xdist group
 # ("serve") against servers of these sizes, so their programs compile once.
-SERVE_CFG = ServeConfig(model="tiny-gptoss", num_blocks=64, max_model_len=96, max_requests=4, token_budget=32)
+SERVE_CFG = ServeConfig(model="tiny-gptoss", engine=dict(num_blocks=64, max_model_len=96, max_requests=4,
+                                                     token_budget=32))
 SERVE_OPTIONS = {"max_top_logprobs": 2, "max_logit_bias": 2}
 
 

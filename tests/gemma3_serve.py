@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hkv_jax.engine import NgramSpec
-from hkv_jax.generate import engine_for
+from hkv_jax.engine import Engine, NgramSpec
+from hkv_jax.engine.factory import engine_config
 from hkv_jax.models.weights import load_gemma3
 
 REFERENCE = Path(__file__).parent / "data" / "gemma3_270m_reference.json"
@@ -36,9 +36,9 @@ SIZES = dict(max_requests=8, token_budget=64, num_blocks=480, token_buckets=(64,
 
 def serve(model, reference: dict, repeat: tuple[int, ...], **options) -> dict:
     """One run over every reference prompt (``repeat``: prompts submitted a second time, last).
-    ``options``: more ``engine_for`` arguments (``SIZES``' too)."""
+    ``options``: more ``EngineConfig`` fields (``SIZES``' too)."""
     prompts = [p["ids"] for p in reference["prompts"]]
-    engine = engine_for(model, 880, **{**SIZES, **options})
+    engine = Engine(model, engine_config(model, max_model_len=880, **{**SIZES, **options}))
     got = {}
 
     def submit(i, new_tokens):
@@ -71,7 +71,7 @@ def serve(model, reference: dict, repeat: tuple[int, ...], **options) -> dict:
 def scores(model, reference: dict) -> list[dict]:
     """``prompt_logprobs`` of the prompts that fit one 64-token buffer with their reference tokens (a
     longer one costs seconds of vocabulary projection on a CPU)."""
-    engine = engine_for(model, 880, **SIZES, max_top_logprobs=16)
+    engine = Engine(model, engine_config(model, max_model_len=880, **SIZES, max_top_logprobs=16))
     out = []
     for i, p in enumerate(reference["prompts"]):
         if len(p["ids"]) + len(p["generated"]) <= 64:

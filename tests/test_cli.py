@@ -240,7 +240,8 @@ def test_generate_streams_the_text_up_to_a_stop_string(monkeypatch):
     codec = SimpleNamespace(encode=lambda text: [ord(c) % 256 for c in text], eos_ids=(),
                             decode=lambda ids: "".join(chr(97 + t % 26) for t in ids))
     monkeypatch.setattr(gen, "load_pretrained", lambda *args, **kwargs: (model, codec))
-    cfg = gen.GenerateConfig(max_new_tokens=12, chat=False, sampling={"temperature": 1.0}, seed=3, token_budget=1)
+    cfg = gen.GenerateConfig(max_new_tokens=12, chat=False, sampling={"temperature": 1.0},
+                             engine={"seed": 3, "token_budget": 1})
     out = io.StringIO()
     full = gen.generate(cfg, "a prompt", out=out, progress=False)
     text = full["text"]

@@ -134,6 +134,30 @@ def test_abort_and_finish_free_the_slot_and_forget_needs_a_finished_request():
     assert not s.running and s.requests[b].done and s.has_work  # its blocks are freed by the next step
 
 
+def test_engine_requests_is_a_read_only_view_that_books_what_it_shows():
+    """``Engine.requests`` is a ``RequestsView``: each read goes through the scheduler's booking (a
+    decode-only run's tokens are booked when read, not when the property is taken), and it cannot be
+    written to (the scheduler owns request state)."""
+    from hkv_jax.engine.request import RequestsView
+
+    s = _scheduler()
+    rid = s.add([1] * 3, SamplingParams(max_new_tokens=4))
+    reads = []
+
+    def booked():
+        reads.append(1)
+        return s.requests
+
+    view = RequestsView(booked)
+    assert not reads  # taking the view books nothing
+    assert view[rid] is s.requests[rid] and list(view) == [rid] and len(view) == 1 and rid in view
+    assert len(reads) >= 3 and dict(view) == s.requests
+    with pytest.raises(TypeError):
+        view[rid] = None  # noqa - read-only
+    with pytest.raises(KeyError):
+        view[rid + 1]
+
+
 def test_mamba_chunks_stop_at_block_boundaries():
     s = _scheduler(align=True, token_budget=16)
     rid = s.add([1] * 11, SamplingParams(max_new_tokens=2))

@@ -73,12 +73,14 @@ def _serves_like_its_uncached_forward(model, atol: float):
     """Served through the paged engine (prefix caching, chunked prefill past the window), each token's
     logits equal (to ``atol``) the uncached forward's over the sequence generated so far, and each token
     is their argmax wherever the top two differ by more than ``2 * atol`` (``SMALL``'s sizes)."""
-    from hkv_jax.generate import engine_for
+    from hkv_jax.engine import Engine
+    from hkv_jax.engine.factory import engine_config
 
     rng = np.random.default_rng(1)
     shared = list(rng.integers(0, 96, 20))
     prompts = [shared + list(rng.integers(0, 96, n)) for n in (3, 17, 9)]
-    engine = engine_for(model, 48, max_requests=2, block_size=4, token_budget=16, token_buckets=(16,))
+    engine = Engine(model, engine_config(model, max_model_len=48, max_requests=2, block_size=4, token_budget=16,
+                                         token_buckets=(16,)))
     rids = [engine.add_request(p, 6) for p in prompts]
     rows = {rid: [] for rid in rids}
     while engine.has_work:

@@ -119,7 +119,7 @@ def test_n_choices_sample_with_consecutive_seeds_and_metrics_count_them(server):
         return values
 
     before = metrics()
-    assert before["hkv_kv_blocks"] == CFG.num_blocks - 1 and before["hkv_requests_running"] == 0
+    assert before["hkv_kv_blocks"] == CFG.engine["num_blocks"] - 1 and before["hkv_requests_running"] == 0
     assert before["hkv_spec_decode_num_drafts_total"] == 0  # vLLM's speculative counters, with our prefix
     assert {"hkv_spec_decode_num_draft_tokens_total", "hkv_spec_decode_num_accepted_tokens_total"} <= set(before)
     body = {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0.9, "seed": 3, "n": 2, "logprobs": 1}
@@ -150,7 +150,7 @@ def test_n_choices_sample_with_consecutive_seeds_and_metrics_count_them(server):
     assert after[length] - before.get(length, 0) == 4
     assert after["hkv_steps_total"] > before["hkv_steps_total"] and after["hkv_requests_running"] == 0
     assert after["hkv_multi_step_calls_total"] == server.engine.stats.multi_step_calls  # the engine is idle
-    assert after["hkv_kv_blocks_free"] == CFG.num_blocks - 1  # every block back (cached ones count as free)
+    assert after["hkv_kv_blocks_free"] == CFG.engine["num_blocks"] - 1  # every block back (cached ones count as free)
     assert after["hkv_prefix_cache_hit_tokens_total"] > before["hkv_prefix_cache_hit_tokens_total"]  # the 2nd request
     # A batch of prompts (text and token ids) gets n choices per prompt, prompt by prompt.
     batch = {**body, "prompt": [PROMPTS[2], CODEC.encode(PROMPTS[0])], "logprobs": None}
@@ -403,8 +403,8 @@ def test_the_warm_up_compiles_every_admission_and_scoring_size_and_changes_nothi
     was. ``Engine.compile_scoring`` compiles the scoring program of every prompt of up to 40 tokens (one
     buffer of 64): scoring such prompts later, with any number of likeliest tokens, compiles nothing.
     Sizes and a ``max_top_logprobs`` of its own: none of them was compiled before."""
-    engine, _ = build_engine(replace(CFG, num_blocks=CFG.num_blocks + 1, max_requests=2, max_model_len=40),
-                             **OPTIONS | {"max_top_logprobs": 3})
+    sizes = {"num_blocks": CFG.engine["num_blocks"] + 1, "max_requests": 2, "max_model_len": 40}
+    engine, _ = build_engine(replace(CFG, engine=CFG.engine | sizes), **OPTIONS | {"max_top_logprobs": 3})
     before = jax.tree.map(np.asarray, engine.state.alloc)
     compiled = runner_module.PREPARE._cache_size()
     engine.compile_admissions()

@@ -21,7 +21,7 @@ from hkv_jax.attention import check_kernel
 from hkv_jax.engine import checkpoint
 from hkv_jax.engine.config import EngineConfig
 from hkv_jax.engine.output_processor import OutputProcessor
-from hkv_jax.engine.request import Request
+from hkv_jax.engine.request import Request, RequestsView
 from hkv_jax.engine.runner import ModelRunner
 from hkv_jax.engine.sampling_params import ENGINE_DEFAULTS, KNOB, EngineDefault, SamplingParams, is_integer
 from hkv_jax.engine.scheduler import NO_TOKENS, Scheduler
@@ -85,6 +85,7 @@ class Engine:
                                    num_speculative=spec.num_speculative_tokens if spec else 0,
                                    num_blocks=config.num_blocks, stats=self.stats)
         self.processor = OutputProcessor(detokenize)
+        self._requests = RequestsView(self.scheduler.book_pending)
         self.sampling_defaults = dict(ENGINE_DEFAULTS)
         self._checked_defaults: tuple[tuple, dict] = ((), {})  # the defaults last checked, and as checked
         self._last_order, self._last_rows = [], None  # request ids of last_output's rows, and their index
@@ -92,9 +93,9 @@ class Engine:
     # --- requests ------------------------------------------------------------------------------
 
     @property
-    def requests(self) -> dict[int, Request]:
-        """Every request by id, its tokens and ``computed`` count up to date (``Scheduler.book_pending``)."""
-        return self.scheduler.book_pending()
+    def requests(self) -> RequestsView:
+        """Every request by id (read-only), its tokens and ``computed`` count up to date when read."""
+        return self._requests
 
     def add_request(self, prompt, params: SamplingParams | int, stop: tuple[int, ...] = (), **fields) -> int:
         """Queue a request for ``prompt`` (token ids); returns its id. ``params``: its ``SamplingParams``, or
@@ -131,8 +132,7 @@ class Engine:
         return aborted
 
     def forget(self, rid: int) -> Request:
-        """Drop finished request ``rid`` from ``requests`` and return it, so that a long-running server's
-        record of past requests does not grow without end. ``ValueError`` while it is not done."""
+        """Drop finished request ``rid`` from ``requests`` and return it; ``ValueError`` before it is done."""
         return self.scheduler.forget(rid)
 
     def text(self, rid: int, stable: bool = False) -> str:

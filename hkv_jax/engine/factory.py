@@ -1,17 +1,18 @@
-"""Serving engines by model name: ``ServeConfig`` (which model, its weights' quantization, the engine's sizes
-and choices) and ``build_engine``. ``hkv demo``, ``hkv serve`` and the benchmarks build theirs here; a model
-object of your own goes straight to ``Engine(model, EngineConfig(...))``."""
+"""Serving engines by model name, the one way ``hkv demo``, ``serve`` and ``generate`` and the benchmarks build
+theirs: ``load_model`` (a tiny preset or a real checkpoint), ``engine_config`` (an ``EngineConfig`` whose sizes
+left out are filled for the model by one rule) and ``build_engine`` (both, from a ``ServeConfig``). A model
+object of your own goes to ``Engine(model, engine_config(model, ...))`` or ``Engine(model, EngineConfig(...))``."""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 
 from flax import nnx
 
 from hkv_jax.engine.config import EngineConfig
 from hkv_jax.engine.engine import Engine
-from hkv_jax.engine.speculative import NgramSpec
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.pretrained import INSTALL_HINT, is_pretrained, load_pretrained
 from hkv_jax.models.tiny import TinyConfig, TinyLM
@@ -19,6 +20,10 @@ from hkv_jax.planner import plan
 
 TINY_MODELS = ("tiny-gemma3", "tiny-gemma4", "tiny-gptoss", "tiny-llama4", "tiny-jamba")
 DEFAULT_REAL, DEFAULT_TINY = "gemma-3-270m", "tiny-gemma3"
+ENGINE_FIELDS = tuple(f.name for f in fields(EngineConfig))
+# What the command-line engines decode with unless told otherwise: up to 32 decode steps per program, as many
+# as fit 20 ms (a request that arrives meanwhile waits at most about that long).
+SERVE_DEFAULTS = MappingProxyType({"decode_steps": 32, "max_call_seconds": 0.02})
 
 
 def default_model() -> str:
@@ -32,29 +37,44 @@ def default_model() -> str:
         return DEFAULT_TINY
 
 
+def check_engine_fields(names) -> None:
+    """``ValueError`` naming any of ``names`` that is not an ``EngineConfig`` field."""
+    unknown = sorted(set(names) - set(ENGINE_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown engine field(s) {', '.join(unknown)}; EngineConfig has {', '.join(ENGINE_FIELDS)}")
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """A served model by name (a tiny preset with random weights from ``seed``, or a real checkpoint:
-    ``hkv_jax.models.pretrained``) and its engine's sizes. A size left ``None`` takes the model's default:
-    a tiny model gets a 160-block pool, ``max_model_len`` 256 and one token bucket (each step program costs
-    tens of seconds to compile on a CPU, and a tiny model's decode steps gain little from their own); a
-    real one ``max_model_len`` 512 and a pool holding ``max_requests`` requests of it (``pool_blocks``).
-    The other fields are ``EngineConfig``'s."""
+    ``hkv_jax.models.pretrained``), its weights' quantization, and the ``EngineConfig`` fields it is served
+    with (``engine``; ``SERVE_DEFAULTS`` and ``engine_config`` fill the others). ``seed`` is also the
+    engine's sampling key unless ``engine`` gives one. ``ValueError`` for a name that is not a field."""
 
     model: str = DEFAULT_TINY
     quantize: str | None = None        # "int8" (a real model only): int8 weights
     seed: int = 0
-    block_size: int = 16
-    policy: str = EngineConfig.policy
-    impl: str = "auto"                 # the attention kernel (``kernels_pallas``)
-    num_blocks: int | None = None
-    max_requests: int = 8
-    token_budget: int = 64
-    max_model_len: int | None = None
-    window_aware_eviction: bool = False
-    decode_steps: int = 32             # most decode steps per program (``EngineConfig.decode_steps``) ...
-    max_call_seconds: float | None = 0.02  # ... as many as fit this (``EngineConfig.max_call_seconds``)
-    speculative: NgramSpec | None = None
+    engine: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        check_engine_fields(self.engine)
+
+    def engine_fields(self) -> dict:
+        """The ``EngineConfig`` fields this config gives, serving defaults included."""
+        return {"seed": self.seed, **SERVE_DEFAULTS, **self.engine}
+
+
+def load_model(name: str, *, quantize: str | None = None, seed: int = 0, progress: bool = True, **load):
+    """``(model, codec)`` for a model name: a tiny preset (``TINY_MODELS``, random weights from ``seed``,
+    ``codec`` ``None``: its workload is token ids) or a real one (``load_pretrained``, with ``load``'s
+    options). ``ValueError`` for an unknown name or a quantization a tiny model cannot take."""
+    if is_pretrained(name):
+        return load_pretrained(name, quantize=quantize, progress=progress, **load)
+    if name not in TINY_MODELS:
+        raise ValueError(f"unknown model {name!r}; choose {DEFAULT_REAL} or one of {', '.join(TINY_MODELS)}")
+    if quantize is not None:
+        raise ValueError(f"quantize={quantize!r} needs a real model, not {name}")
+    return TinyLM(TinyConfig.from_hf(resolve_model(name)[1]), nnx.Rngs(seed)), None
 
 
 def pool_blocks(model, max_model_len: int, *, max_requests: int, block_size: int, token_budget: int,
@@ -65,27 +85,28 @@ def pool_blocks(model, max_model_len: int, *, max_requests: int, block_size: int
     return 1 + max_requests * kv.blocks_per_request(max_model_len + token_budget)
 
 
-def build_engine(cfg: ServeConfig, **engine_options) -> tuple[Engine, object]:
-    """The model and its engine: ``(engine, codec)``; ``codec`` (text <-> ids) is ``None`` for a tiny model,
-    whose workload is token ids. ``engine_options``: more ``EngineConfig`` fields (``max_top_logprobs`` ...)
-    and ``Engine`` arguments (``mesh``, ``detokenize``). ``ValueError`` for an unknown model or a
-    quantization a tiny model cannot take."""
-    real = is_pretrained(cfg.model)
-    if real:
-        model, codec = load_pretrained(cfg.model, quantize=cfg.quantize)
-        engine_options.setdefault("detokenize", codec.decode)
-    elif cfg.model not in TINY_MODELS:
-        raise ValueError(f"unknown model {cfg.model!r}; choose {DEFAULT_REAL} or one of {', '.join(TINY_MODELS)}")
-    elif cfg.quantize is not None:
-        raise ValueError(f"quantize={cfg.quantize!r} needs a real model, not {cfg.model}")
-    else:
-        model, codec = TinyLM(TinyConfig.from_hf(resolve_model(cfg.model)[1]), nnx.Rngs(cfg.seed)), None
-        engine_options.setdefault("token_buckets", (cfg.token_budget,))
-    max_model_len = cfg.max_model_len or (512 if real else 256)
-    num_blocks = cfg.num_blocks or (pool_blocks(model, max_model_len, max_requests=cfg.max_requests,
-                                                block_size=cfg.block_size, token_budget=cfg.token_budget,
-                                                policy=cfg.policy) if real else 160)
-    return Engine(model, num_blocks=num_blocks, block_size=cfg.block_size, policy=cfg.policy, impl=cfg.impl,
-                  max_requests=cfg.max_requests, max_model_len=max_model_len, token_budget=cfg.token_budget,
-                  seed=cfg.seed, window_aware_eviction=cfg.window_aware_eviction, decode_steps=cfg.decode_steps,
-                  max_call_seconds=cfg.max_call_seconds, speculative=cfg.speculative, **engine_options), codec
+def engine_config(model, **fields) -> EngineConfig:
+    """``EngineConfig(**fields)``, the sizes left out (or ``None``) filled for ``model``. A tiny model
+    (``TinyLM``) gets ``max_model_len`` 256, a 160-block pool and one token bucket (each step program costs
+    tens of seconds to compile on a CPU, and a tiny model's decode steps gain little from their own); any
+    other ``max_model_len`` 512 and a pool holding ``max_requests`` requests of it (``pool_blocks``)."""
+    check_engine_fields(fields)
+    fields = {k: v for k, v in fields.items() if v is not None or k not in ("num_blocks", "max_model_len")}
+    tiny = isinstance(model, TinyLM)
+    size = {k: fields.get(k, getattr(EngineConfig, k)) for k in ("max_requests", "block_size", "token_budget",
+                                                                  "policy")}
+    fields.setdefault("max_model_len", 256 if tiny else 512)
+    if tiny:
+        fields.setdefault("token_buckets", (size["token_budget"],))
+    fields.setdefault("num_blocks", 160 if tiny else pool_blocks(model, fields["max_model_len"], **size))
+    return EngineConfig(**fields)
+
+
+def build_engine(cfg: ServeConfig, **options) -> tuple[Engine, object]:
+    """The model and its engine: ``(engine, codec)`` (``load_model``, ``engine_config``). ``options``: more
+    ``EngineConfig`` fields (``max_top_logprobs`` ...) and ``Engine`` arguments (``mesh``, ``detokenize``)."""
+    model, codec = load_model(cfg.model, quantize=cfg.quantize, seed=cfg.seed)
+    engine_args = {k: options.pop(k) for k in ("mesh", "detokenize") if k in options}
+    if codec is not None:
+        engine_args.setdefault("detokenize", codec.decode)
+    return Engine(model, engine_config(model, **{**cfg.engine_fields(), **options}), **engine_args), codec

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -174,3 +175,24 @@ def keeps_drafting(steps: int, draft_tokens: int, accepted_tokens: int) -> bool:
     ``accepted_tokens`` accepted so far, goes on drafting."""
     return ((draft_tokens < JUDGE_AFTER or accepted_tokens >= MIN_ACCEPTANCE * draft_tokens)
             and (steps < JUDGE_AFTER_STEPS or accepted_tokens >= MIN_ACCEPTED_PER_STEP * steps))
+
+
+class RequestsView(Mapping):
+    """Requests by id, read-only, as ``Engine.requests`` shows them. ``booked`` returns the scheduler's
+    dict with every token booked (``Scheduler.book_pending``): a decode-only run records its tokens as
+    arrays and books them into the requests when they are read, so each read goes through it."""
+
+    def __init__(self, booked: Callable[[], dict[int, Request]]):
+        self._booked = booked
+
+    def __getitem__(self, rid: int) -> Request:
+        return self._booked()[rid]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._booked())
+
+    def __len__(self) -> int:
+        return len(self._booked())
+
+    def __repr__(self) -> str:
+        return f"RequestsView({dict(self)!r})"
