@@ -291,3 +291,32 @@ def test_a_knob_added_to_the_listing_reaches_every_sampling_surface(monkeypatch)
     assert protocol.parse({"prompt": "hi", "max_tokens": 2}, False, codec, None, limits).params.typical_p is None
     with pytest.raises(ValueError, match=r"typical_p must be in \(0, 1\]"):
         protocol.parse({"prompt": "hi", "max_tokens": 2, "typical_p": 0}, False, codec, None, limits)
+
+
+def test_engine_config_fills_the_sizes_left_out_by_the_models_rule_and_configs_name_engine_fields():
+    """``factory.engine_config``: a tiny model's sizes (256 tokens, 160 blocks, one bucket), another model's
+    pool for ``max_requests`` requests of ``max_model_len`` (a sliding window's chunk counted), given sizes
+    kept; ``ServeConfig`` and ``GenerateConfig`` refuse a name that is not an ``EngineConfig`` field."""
+    from types import SimpleNamespace
+
+    from hkv_jax.engine.factory import ServeConfig, engine_config
+    from hkv_jax.generate import GenerateConfig
+    from hkv_jax.models.tiny import TinyLM
+    from hkv_jax.planner import plan
+    from hkv_jax.spec import FullAttentionSpec, SlidingWindowSpec
+
+    layers = [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8, dtype="float32"),
+              SlidingWindowSpec(name="s", num_kv_heads=1, head_size=8, dtype="float32", sliding_window=32)]
+    other = SimpleNamespace(cfg=SimpleNamespace(layers=layers))
+    cfg = engine_config(other, max_requests=3, token_budget=16, num_blocks=None)
+    per_request = plan(layers, block_size=16, num_blocks=2).blocks_per_request(512 + 16)
+    assert (cfg.max_model_len, cfg.num_blocks, cfg.token_buckets) == (512, 1 + 3 * per_request, None)
+    assert engine_config(other, num_blocks=7, max_model_len=40).num_blocks == 7
+    tiny = TinyLM.__new__(TinyLM)  # the rule reads the type only
+    cfg = engine_config(tiny, token_budget=32, token_buckets=None)
+    assert (cfg.max_model_len, cfg.num_blocks, cfg.token_buckets) == (256, 160, None)  # None: the default buckets
+    assert engine_config(tiny, token_budget=32).token_buckets == (32,)
+    for make in (lambda e: ServeConfig(engine=e), lambda e: GenerateConfig(engine=e),
+                 lambda e: engine_config(tiny, **e)):
+        with pytest.raises(ValueError, match="unknown engine field.* num_block; EngineConfig has num_blocks"):
+            make({"num_block": 8})
