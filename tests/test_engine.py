@@ -64,9 +64,12 @@ def workload(seed: int = 0, vocab: int = 256):
 
 
 # Engines of the same sizes on one worker compile once: tiny-gemma3's parity engine and the fork test's;
-# tiny-llama4's and the rollback and checkpoint tests'; tiny-jamba's and the Mamba state test's.
+# tiny-llama4's and the rollback and checkpoint tests'; tiny-jamba's and the Mamba state test's. A speculative
+# parity engine runs the plain steps of its non-speculative twin (the same sizes, on the reference attention)
+# and compiles only its drafting step after it: each pair runs in one group (tiny-gemma4's under vllm).
 SAME_SIZES = {name: pytest.mark.xdist_group(f"{name}-parity-sizes")
-              for name in ("tiny-gemma3", "tiny-llama4", "tiny-jamba")}
+              for name in ("tiny-gemma3", "tiny-llama4", "tiny-jamba", "tiny-gemma4")}
+GROUPED = {("tiny-gemma3", "vllm"), ("tiny-llama4", "vllm"), ("tiny-jamba", "min-waste"), ("tiny-gemma4", "vllm")}
 
 
 # Speculative decoding (n-gram drafts of 3 tokens): the same tokens and logits, with the drafts' slots taken
@@ -78,7 +81,7 @@ SPECULATIVE = {("tiny-gptoss", "vllm"), ("tiny-llama4", "vllm"), ("tiny-gemma4",
 
 
 @pytest.mark.parametrize("name,policy,speculative", [
-    pytest.param(name, policy, spec, marks=[SAME_SIZES[name]] if name in SAME_SIZES and not spec else [])
+    pytest.param(name, policy, spec, marks=[SAME_SIZES[name]] if (name, policy) in GROUPED else [])
     for name, policy in sorted(PARITY_BLOCKS) for spec in (False, True) if not spec or (name, policy) in SPECULATIVE])
 def test_engine_generates_the_dense_models_tokens(name, policy, speculative):
     model = tiny(name)
