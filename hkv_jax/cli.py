@@ -12,7 +12,7 @@ import numpy as np
 
 from hkv_jax.engine.sampling_params import KNOBS
 from hkv_jax.models import layers_from_hf_config, resolve_model
-from hkv_jax.models.hf_config import text_config
+from hkv_jax.models.hf_config import KV_CACHE_DTYPES, text_config
 from hkv_jax.models.quant import QUANTIZE
 from hkv_jax.planner import DEFAULT_POLICY, POLICIES
 from hkv_jax.report import compare_policies, parse_bytes, plan_json, render_table
@@ -49,7 +49,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise CliError("give --memory or --num-blocks, not both")
     _positive(args, "num_blocks", "block_size", "max_model_len", "tp")
     name, config = resolve_model(args.model)
-    layers = layers_from_hf_config(config, dtype=args.dtype)
+    layers = layers_from_hf_config(config, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     memory = None if args.num_blocks is not None else parse_bytes(args.memory or DEFAULT_MEMORY)
     max_len = args.max_model_len or text_config(config).get("max_position_embeddings") or 8192
     others = compare_policies(layers, block_size=args.block_size, memory_bytes=memory, num_blocks=args.num_blocks,
@@ -262,7 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="request length for the concurrency figure (default: the config's max_position_embeddings)",
     )
-    p.add_argument("--dtype", help="KV cache dtype (default: the model's, float32 served as bfloat16)")
+    p.add_argument("--dtype", help="every layer's cache dtype, KV and Mamba states (default: the model's, float32 "
+                   "served as bfloat16)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the attention layers' KV cache dtype (fp8: float8_e4m3fn); Mamba states keep theirs "
+                   "(default auto: as --dtype)")
     p.add_argument("--tp", type=int, default=1, help="devices on the mesh's model axis: --memory is then per "
                    "device, and the report says what one device holds (default 1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -38,11 +38,21 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def cache_dtypes(layers: tuple[LayerSpec, ...]) -> dict[str, list[str]]:
+    """The dtypes the cache stores: ``{"kv": [...]}`` of the attention layers' K/V, and ``"states"`` of the
+    Mamba states (empty without such layers)."""
+    return {"kv": sorted({l.dtype for l in layers if hasattr(l, "dtype")}),
+            "states": sorted({d for l in layers for d in getattr(l, "dtypes", ())})}
+
+
 def layer_summary(layers: tuple[LayerSpec, ...]) -> str:
-    """``62 layers: 52 sliding_window, 10 full``."""
+    """``62 layers: 52 sliding_window, 10 full; KV bfloat16`` (and the Mamba states' dtype, if any)."""
     kinds = Counter(l.kind for l in layers)
     parts = ", ".join(f"{n} {k}" for k, n in kinds.items())
-    return f"{len(layers)} layers: {parts}"
+    dtypes = cache_dtypes(layers)
+    stored = "; ".join(f"{what} {'/'.join(dtypes[key])}" for what, key in (("KV", "kv"), ("Mamba states", "states"))
+                       if dtypes[key])
+    return f"{len(layers)} layers: {parts}; {stored}"
 
 
 def _names(names: tuple[str, ...], limit: int = 4) -> str:
@@ -145,6 +155,7 @@ def plan_json(model: str, layers, chosen: KVCacheConfig, others: dict[str, KVCac
         "num_layers": len(layers),
         "layer_kinds": dict(Counter(l.kind for l in layers)),
         "kv_sharing_layers": sum(not l.owns_kv for l in layers),
+        "cache_dtypes": cache_dtypes(layers),
         "plan": chosen.to_dict(max_model_len),
         "compare": {
             name: {k: v for k, v in p.to_dict(max_model_len).items() if k not in ("groups", "tensors", "kv_sharing")}

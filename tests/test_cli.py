@@ -21,6 +21,30 @@ def test_plan_json(capsys):
     assert d["compare"]["naive"]["max_concurrent_requests"] < d["plan"]["max_concurrent_requests"]
 
 
+def test_plan_kv_cache_dtype_fp8_halves_attention_pages_and_keeps_mamba_states(capsys):
+    """``--kv-cache-dtype fp8``: twice the tokens in the same memory for an attention-only model (min-waste
+    still pads nothing where vllm pads); with Mamba layers the states keep bfloat16 and span twice the pages
+    under min-waste (blocks stay 16 tokens), where vllm doubles its block size."""
+    def plan(model, dtype):
+        assert main(["plan", model, "--memory", "80GiB", "--json", "--kv-cache-dtype", dtype]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    bf16, fp8 = plan("gemma-3-27b", "bfloat16"), plan("gemma-3-27b", "fp8")
+    assert fp8["cache_dtypes"] == {"kv": ["float8_e4m3fn"], "states": []}
+    for policy in ("vllm", "min-waste"):
+        assert fp8["compare"][policy]["capacity_tokens"] >= 1.9 * bf16["compare"][policy]["capacity_tokens"]
+    assert fp8["compare"]["min-waste"]["padding_fraction"] == 0 < fp8["compare"]["vllm"]["padding_fraction"]
+    auto, fp8 = plan("jamba-mini-1.5", "auto"), plan("jamba-mini-1.5", "fp8")
+    assert fp8["cache_dtypes"] == {"kv": ["float8_e4m3fn"], "states": ["bfloat16"]} == {**auto["cache_dtypes"],
+                                                                                       "kv": ["float8_e4m3fn"]}
+    spans = {d: {g["blocks_per_state"] for g in p["plan"]["groups"] if g["type"] == "mamba"}
+             for d, p in (("auto", auto), ("fp8", fp8))}
+    assert spans["fp8"] == {2 * s for s in spans["auto"]} and fp8["plan"]["block_size"] == 16
+    assert fp8["compare"]["vllm"]["block_size"] == 2 * auto["compare"]["vllm"]["block_size"]
+    assert main(["plan", "jamba-mini-1.5", "--memory", "80GiB"]) == 0
+    assert "; KV bfloat16; Mamba states bfloat16)" in capsys.readouterr().out.splitlines()[0]
+
+
 def test_plan_from_config_path_and_plot(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -39,6 +63,7 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
         (["plan", "gemma-3-1b", "--memory", "lots"], "memory size"),
         (["plan", "/nonexistent/config.json"], "no such config"),
         (["plan", "gemma-3-1b", "--dtype", "float3"], "unknown dtype"),
+        (["plan", "gemma-3-1b", "--kv-cache-dtype", "fp4"], "invalid choice: 'fp4'"),
         (["plan", "gemma-3-1b", "--memory=-5GiB"], "memory must be positive"),
         (["plan", "gemma-3-1b", "--max-model-len", "0"], "--max-model-len must be positive"),
         (["plan", "gemma-3-1b", "--block-size", "0"], "--block-size must be positive"),

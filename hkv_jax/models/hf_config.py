@@ -98,6 +98,11 @@ def layer_kinds(cfg: dict[str, Any]) -> list[str]:
     return [FULL] * n
 
 
+# ``--kv-cache-dtype``'s names (vLLM's): the attention layers' KV cache dtype; a Mamba state keeps its own.
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+                   "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
 def kv_dtype(cfg: dict[str, Any], override: str | None = None) -> str:
     """The KV cache dtype: ``override``, else the model dtype with float32 served as bfloat16.
 
@@ -131,13 +136,18 @@ def mamba_state(cfg: dict[str, Any], dtype: str) -> tuple[tuple[tuple[int, ...],
 
 
 def layers_from_hf_config(
-    config: dict[str, Any], *, dtype: str | None = None, name_format: str = "model.layers.{i}"
+    config: dict[str, Any], *, dtype: str | None = None, kv_cache_dtype: str = "auto",
+    name_format: str = "model.layers.{i}",
 ) -> tuple[LayerSpec, ...]:
     """Layer specs for a Hugging Face ``config.json`` dict (model order).
 
-    ``dtype`` overrides the KV cache dtype. Raises ``ValueError`` for configs
-    that lack the needed fields.
+    ``dtype`` overrides the cache dtype of every layer (attention KV and Mamba states); ``kv_cache_dtype``
+    (a ``KV_CACHE_DTYPES`` name, ``"auto"``: as ``dtype``) that of the attention layers only, as vLLM's
+    ``--kv-cache-dtype``: a Mamba state stays in its own dtype. Raises ``ValueError`` for configs that lack
+    the needed fields or an unknown ``kv_cache_dtype``.
     """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
     cfg = text_config(config)
     kinds = layer_kinds(cfg)
     n = len(kinds)
@@ -151,9 +161,10 @@ def layers_from_hf_config(
     if any(k == FULL for k in kinds):  # Gemma 4: the full-attention layers' own KV shape
         full_heads = cfg.get("num_global_key_value_heads") or heads
         full_head_size = cfg.get("global_head_dim") or head_size
-    kvd = kv_dtype(cfg, dtype)
+    state_dtype = kv_dtype(cfg, dtype)
+    kvd = KV_CACHE_DTYPES[kv_cache_dtype] or state_dtype
     names = [name_format.format(i=i) for i in range(n)]
-    state = mamba_state(cfg, kvd) if RECURRENT in kinds else None
+    state = mamba_state(cfg, state_dtype) if RECURRENT in kinds else None
 
     shared_from = n - int(cfg.get("num_kv_shared_layers") or 0)
     if not 0 < shared_from <= n:
