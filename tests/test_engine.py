@@ -41,8 +41,8 @@ MAX_TOP_LOGPROBS = {"tiny-llama4": 3}
 MAX_LOGIT_BIAS = {"tiny-llama4": 4}
 
 
-def tiny(name: str, seed: int = 0) -> TinyLM:
-    return TinyLM(TinyConfig.from_hf(resolve_model(name)[1]), nnx.Rngs(seed))
+def tiny(name: str, seed: int = 0, kv_dtype: str = "float32") -> TinyLM:
+    return TinyLM(TinyConfig.from_hf(resolve_model(name)[1], kv_dtype=kv_dtype), nnx.Rngs(seed))
 
 
 def dense_greedy(model: TinyLM, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
@@ -80,11 +80,15 @@ GROUPED = {("tiny-gemma3", "vllm"), ("tiny-llama4", "vllm"), ("tiny-jamba", "min
 SPECULATIVE = {("tiny-gptoss", "vllm"), ("tiny-llama4", "vllm"), ("tiny-gemma4", "vllm"), ("tiny-jamba", "min-waste")}
 
 
-@pytest.mark.parametrize("name,policy,speculative", [
-    pytest.param(name, policy, spec, marks=[SAME_SIZES[name]] if (name, policy) in GROUPED else [])
-    for name, policy in sorted(PARITY_BLOCKS) for spec in (False, True) if not spec or (name, policy) in SPECULATIVE])
-def test_engine_generates_the_dense_models_tokens(name, policy, speculative):
-    model = tiny(name)
+# fp8 pages (e4m3): tiny-gemma3 (sliding window + full) stores its K/V in float8_e4m3fn; the dense model reads
+# them rounded the same way (``Attention.dense``).
+@pytest.mark.parametrize("name,policy,speculative,kv_dtype", [
+    pytest.param(name, policy, spec, "float32", marks=[SAME_SIZES[name]] if (name, policy) in GROUPED else [],
+                 id=f"{name}-{policy}-{spec}")
+    for name, policy in sorted(PARITY_BLOCKS) for spec in (False, True) if not spec or (name, policy) in SPECULATIVE
+] + [pytest.param("tiny-gemma3", "vllm", False, "float8_e4m3fn", id="tiny-gemma3-vllm-fp8")])
+def test_engine_generates_the_dense_models_tokens(name, policy, speculative, kv_dtype):
+    model = tiny(name, kv_dtype=kv_dtype)
     # A pool small enough that the run preempts; a token budget that chunks the prefills.
     eng = Engine(model, num_blocks=PARITY_BLOCKS[name, policy], block_size=8, max_requests=4,
                  max_model_len=MAX_LEN, token_budget=32,
@@ -98,6 +102,9 @@ def test_engine_generates_the_dense_models_tokens(name, policy, speculative):
         assert {g.layers_per_slot for g in groups} == ({1, 2} if policy == "min-waste" else {1})
     prompts = workload()
     new = NEW_TOKENS.get(name, 6)
+    if kv_dtype != "float32":  # the rounding shows: the same weights' logits over unrounded K/V differ
+        plain = jax.jit(tiny(name).dense)(jnp.asarray(prompts[0]))
+        assert np.abs(np.asarray(plain) - np.asarray(jax.jit(model.dense)(jnp.asarray(prompts[0])))).max() > 1e-3
     ids = [eng.add_request(p, new) for p in prompts]
     logits = {rid: [] for rid in ids}
     while eng.has_work:

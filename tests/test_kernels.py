@@ -41,12 +41,14 @@ class Case:
     sinks: np.ndarray | None
     expected: np.ndarray    # dense oracle, f32 [T, Hq, D]
     dtype: str
+    kv_dtype: str | None = None  # the pages' dtype, if not ``dtype``
 
 
 @st.composite
 def cases(draw, *, block_sizes=(8, 16, 32, 64), groups=(1, 2, 3, 4, 8), head_sizes=(64, 128, 256),
-          dtypes=("float32", "bfloat16", "float16"), tail=np.nan):
-    """A random ragged batch; ``tail`` fills the unwritten slots of referenced pages."""
+          dtypes=("float32", "bfloat16", "float16"), tail=np.nan, kv_dtype=None):
+    """A random ragged batch; ``tail`` fills the unwritten slots of referenced pages. ``kv_dtype``: pages of
+    that dtype (the oracle reads K/V rounded to it)."""
     bs = draw(st.sampled_from(block_sizes))
     g = draw(st.sampled_from(groups))
     hkv = draw(st.integers(1, 2))
@@ -92,18 +94,19 @@ def cases(draw, *, block_sizes=(8, 16, 32, 64), groups=(1, 2, 3, 4, 8), head_siz
     qsl = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)]]).astype(np.int32)
     padding = draw(st.integers(0, 3))
     q = rng.normal(size=(sum(q_lens) + padding, g * hkv, d)).astype(np.float32)
-    def cast(x):
-        return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    def cast(x, to=dtype):
+        return np.asarray(jnp.asarray(x, to).astype(jnp.float32))
     expected = np.zeros(q.shape, np.float32)
     for s, (length, q_len) in enumerate(zip(lens, q_lens)):
         rows = slice(qsl[s], qsl[s + 1])
-        expected[rows] = dense_attention(cast(q[rows]), cast(keys[s]), cast(vals[s]), params, sinks)
-    return Case(q, pages, tables, qsl, np.array(lens + [0], np.int32), params, sinks, expected, dtype)
+        k, v = (cast(x, kv_dtype or dtype) for x in (keys[s], vals[s]))
+        expected[rows] = dense_attention(cast(q[rows]), k, v, params, sinks)
+    return Case(q, pages, tables, qsl, np.array(lens + [0], np.int32), params, sinks, expected, dtype, kv_dtype)
 
 
 def run(fn, case: Case, **kw) -> np.ndarray:
     dt = jnp.dtype(case.dtype)
-    out = fn(jnp.asarray(case.q, dt), jnp.asarray(case.pages, dt), jnp.asarray(case.block_tables),
+    out = fn(jnp.asarray(case.q, dt), jnp.asarray(case.pages, case.kv_dtype or dt), jnp.asarray(case.block_tables),
              jnp.asarray(case.query_start_loc), jnp.asarray(case.seq_lens), case.params,
              None if case.sinks is None else jnp.asarray(case.sinks), **kw)
     assert out.shape == case.q.shape and out.dtype == dt
@@ -142,6 +145,20 @@ def test_mosaic_gpu_kernel_equals_dense_attention(case):
     check(run(mgpu.paged_attention, case, interpret=True, splits=1), case)
     # Split over the context: 3 runs of each item's tiles (some empty where an item has fewer), combined.
     check(run(mgpu.paged_attention, case, interpret=True, splits=3), case)
+
+
+@settings(max_examples=4, **SETTINGS)
+@given(cases(block_sizes=(8, 16), groups=(1, 2, 4), head_sizes=(64, 128), dtypes=("float32",),
+             kv_dtype="float8_e4m3fn"))
+def test_fp8_pages_are_read_as_the_rounded_keys_and_values_by_every_kernel_that_takes_them(case):
+    """fp8 (e4m3) pages under float32 queries: the reference, the blocked loop and the portable and TPU kernels
+    (interpret mode) each equal the dense attention over the K/V rounded to fp8, to float32's tolerance;
+    the Mosaic GPU kernel refuses them (``auto`` falls back)."""
+    for fn, kw in ((reference.paged_attention, {}), (blocked.paged_attention, {}),
+                   (portable.paged_attention, {"block_q": 4, "interpret": True}),
+                   (tpu.paged_attention, {"block_q": 4, "interpret": True})):
+        check(run(fn, case, **kw), case)
+    assert "float8_e4m3fn" in mgpu.supports(case.kv_dtype, case.pages.shape, case.kv_dtype, case.q.shape[1]).reason
 
 
 def test_mosaic_gpu_splits_a_long_decode_and_its_window_over_runs():
@@ -213,7 +230,8 @@ def test_mosaic_gpu_refuses_shapes_it_cannot_take():
 
 
 @settings(max_examples=10, **SETTINGS)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([8, 16, 64]), st.sampled_from(["float32", "bfloat16"]))
+@given(st.integers(0, 2**31 - 1), st.sampled_from([8, 16, 64]),
+       st.sampled_from(["float32", "bfloat16", "float8_e4m3fn"]))
 def test_kv_write_kernel_equals_reference(seed, bs, dtype):
     rng = np.random.default_rng(seed)
     n, hkv, d, t = 5, 2, 64, 7

@@ -117,6 +117,7 @@ class Attention(nnx.Module):
         self.kv_heads, d = cfg.head_shape(index)
         self.head_dim, h = d, cfg.hidden_size
         self.owns_kv = cfg.kv_source(index) == index
+        self.kv_dtype = cfg.layers[index].dtype if self.owns_kv else None  # what its cache pages store
         self.v_is_k = cfg.k_eq_v and cfg.is_global(index)
         self.q = nnx.Linear(h, cfg.num_heads * d, use_bias=False, rngs=rngs)
         self.k = nnx.Linear(h, self.kv_heads * d, use_bias=False, rngs=rngs) if self.owns_kv else None
@@ -148,7 +149,8 @@ class Attention(nnx.Module):
         """Uncached attention over the whole sequence; ``kv`` holds each KV-owning layer's keys and values
         by index (this layer adds its own; a KV-sharing layer reads its target's)."""
         q, k, v = self._qkv(x, jnp.arange(x.shape[0]))
-        if self.owns_kv:
+        if self.owns_kv:  # rounded as the cache stores them (fp8, bf16; no-op for float32 pages)
+            k, v = (t.astype(self.kv_dtype).astype(t.dtype) for t in (k, v))
             kv[self.index] = k, v
         k, v = kv[self.cfg.kv_source(self.index)]
         window, chunk = self.cfg.window(self.index)
