@@ -102,10 +102,12 @@ _POOL_SIZES = ("num_blocks", "max_model_len", "max_requests", "token_budget", "b
 
 
 def _decode_options(args: argparse.Namespace) -> dict:
-    """``--decode-steps``, ``--max-call-ms`` and the speculative flags as config fields, those given only
-    (the configs hold the defaults), checked."""
+    """``--decode-steps``, ``--max-call-ms``, ``--kv-cache-dtype`` and the speculative flags as engine fields,
+    those given only (the configs hold the defaults), checked."""
     _positive(args, "decode_steps")
     options = {} if args.decode_steps is None else {"decode_steps": args.decode_steps}
+    if args.kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = args.kv_cache_dtype
     if args.speculative == "ngram":
         from hkv_jax.engine import NgramSpec
 
@@ -237,6 +239,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="with --decode-steps > 1: as many decode steps a program as fit this many milliseconds "
                         "at the last measured rate, so new requests and streamed tokens wait at most about that "
                         "long (default 20; 0: no bound)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the attention layers' KV cache dtype (fp8: e4m3 pages, twice the tokens; default auto: "
+                        "the model's)")
     p.add_argument("--speculative", choices=("ngram",),
                    help="speculative decoding: ngram drafts each decoding request's next tokens from its own "
                         "earlier tokens (prompt lookup) and verifies them in the same step (same tokens)")

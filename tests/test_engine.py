@@ -88,10 +88,12 @@ SPECULATIVE = {("tiny-gptoss", "vllm"), ("tiny-llama4", "vllm"), ("tiny-gemma4",
     for name, policy in sorted(PARITY_BLOCKS) for spec in (False, True) if not spec or (name, policy) in SPECULATIVE
 ] + [pytest.param("tiny-gemma3", "vllm", False, "float8_e4m3fn", id="tiny-gemma3-vllm-fp8")])
 def test_engine_generates_the_dense_models_tokens(name, policy, speculative, kv_dtype):
-    model = tiny(name, kv_dtype=kv_dtype)
+    model = tiny(name, kv_dtype=kv_dtype)  # the dense oracle reads K/V rounded to kv_dtype
+    # The engine serves the float32 model with EngineConfig.kv_cache_dtype (the same weights).
+    served, cache_dtype = (model, "auto") if kv_dtype == "float32" else (tiny(name), "fp8")
     # A pool small enough that the run preempts; a token budget that chunks the prefills.
-    eng = Engine(model, num_blocks=PARITY_BLOCKS[name, policy], block_size=8, max_requests=4,
-                 max_model_len=MAX_LEN, token_budget=32,
+    eng = Engine(served, num_blocks=PARITY_BLOCKS[name, policy], block_size=8, max_requests=4,
+                 max_model_len=MAX_LEN, token_budget=32, kv_cache_dtype=cache_dtype,
                  token_buckets=None if name in DEFAULT_BUCKETS and not speculative else (32,),
                  impl="reference" if speculative else IMPL.get(name, "reference"), policy=policy,
                  max_top_logprobs=MAX_TOP_LOGPROBS.get(name, 0),
@@ -103,7 +105,8 @@ def test_engine_generates_the_dense_models_tokens(name, policy, speculative, kv_
     prompts = workload()
     new = NEW_TOKENS.get(name, 6)
     if kv_dtype != "float32":  # the rounding shows: the same weights' logits over unrounded K/V differ
-        plain = jax.jit(tiny(name).dense)(jnp.asarray(prompts[0]))
+        assert {g.spec.dtype for g in eng.kv_cache_config.groups} == {kv_dtype}
+        plain = jax.jit(served.dense)(jnp.asarray(prompts[0]))
         assert np.abs(np.asarray(plain) - np.asarray(jax.jit(model.dense)(jnp.asarray(prompts[0])))).max() > 1e-3
     ids = [eng.add_request(p, new) for p in prompts]
     logits = {rid: [] for rid in ids}

@@ -320,3 +320,5 @@ def test_engine_config_fills_the_sizes_left_out_by_the_models_rule_and_configs_n
                  lambda e: engine_config(tiny, **e)):
         with pytest.raises(ValueError, match="unknown engine field.* num_block; EngineConfig has num_blocks"):
             make({"num_block": 8})
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, .* got 'fp4'"):
+        engine_config(tiny, kv_cache_dtype="fp4")

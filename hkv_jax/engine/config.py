@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from hkv_jax.engine.sampling_params import is_integer, is_number
 from hkv_jax.engine.speculative import DraftModelSpec, NgramSpec
+from hkv_jax.models.hf_config import KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class EngineConfig:
     them out of the step). ``max_logit_bias``: the most logit-bias entries a request may carry (its
     ``logit_bias``, plus one per stop token under ``min_tokens``; 0 leaves them out of the plan).
 
+    ``kv_cache_dtype``: the attention layers' KV cache dtype, by vLLM's names (``"fp8"``: e4m3 pages, scale 1;
+    ``"bfloat16"``, ``"float32"`` ...; ``"auto"``: the model's); Mamba states keep theirs.
+
     ``speculative``: speculative decoding (``NgramSpec``, or ``DraftModelSpec``: a draft model proposes):
     each decoding request drafts up to ``k`` tokens
     in the step and verifies them in the same program; its tokens equal those it decodes without (for a
@@ -61,6 +65,7 @@ class EngineConfig:
     max_call_seconds: float | None = None
     max_top_logprobs: int = 0
     max_logit_bias: int = 0
+    kv_cache_dtype: str = "auto"
     speculative: NgramSpec | DraftModelSpec | None = None
 
     def __post_init__(self):
@@ -74,6 +79,8 @@ class EngineConfig:
         for name in ("max_top_logprobs", "max_logit_bias"):
             if not is_integer(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer in [0, vocab_size], got {getattr(self, name)!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         spec = self.speculative
         if spec is not None:
             if not isinstance(spec, (NgramSpec, DraftModelSpec)):

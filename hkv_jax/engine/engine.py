@@ -27,6 +27,7 @@ from hkv_jax.engine.sampling_params import ENGINE_DEFAULTS, KNOB, EngineDefault,
 from hkv_jax.engine.scheduler import NO_TOKENS, Scheduler
 from hkv_jax.engine.stats import KVUsage, Stats
 from hkv_jax.engine.step import EngineState
+from hkv_jax.models.hf_config import with_kv_cache_dtype
 from hkv_jax.models.protocol import PagedModel
 from hkv_jax.planner import plan as plan_cache
 
@@ -54,7 +55,8 @@ class Engine:
             if getattr(config, name) > vocab:
                 raise ValueError(f"{name} must be an integer in [0, vocab_size], got {getattr(config, name)!r}")
         self.config, self.vocab_size, self.model_layers = config, vocab, model.cfg.layers
-        self.kv_cache_config = plan_cache(model.cfg.layers, block_size=config.block_size, policy=config.policy,
+        layers = with_kv_cache_dtype(model.cfg.layers, config.kv_cache_dtype)  # the cache's dtypes
+        self.kv_cache_config = plan_cache(layers, block_size=config.block_size, policy=config.policy,
                                           num_blocks=config.num_blocks)
         need = self.kv_cache_config.blocks_per_request(config.max_model_len)
         if config.num_blocks - 1 < need:
@@ -204,11 +206,6 @@ class Engine:
             self._checked_defaults = values, {n: KNOB[n].check(v) for n, v in self.sampling_defaults.items()}
         return self._checked_defaults[1]
 
-    @property
-    def has_work(self) -> bool:
-        """Whether a step would do anything: requests waiting or running, or blocks still to free."""
-        return self.scheduler.has_work
-
     def run(self, progress: Callable[[int, int], None] | None = None) -> dict[int, list[int]]:
         """Step until every request is done; ``progress(done, total)`` after each step."""
         while self.has_work:
@@ -286,6 +283,8 @@ class Engine:
     last_output = property(lambda self: self.runner.last_output, doc="The last step's ``StepOutput``, on the device.")
     params = property(lambda self: self.runner.params)
     statics = property(lambda self: self.runner.statics)
+    has_work = property(lambda self: self.scheduler.has_work,
+                        doc="Whether a step would do anything: requests waiting or running, or blocks still to free.")
     running = property(lambda self: self.scheduler.running, doc="Running request ids, in admission order.")
     waiting = property(lambda self: self.scheduler.waiting, doc="Waiting request ids, front first.")
     decode_steps = property(lambda self: self.runner.decode_steps)

@@ -15,6 +15,7 @@ stores both K and V, and so does the cache here.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from hkv_jax.spec import (
@@ -103,6 +104,15 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m
                    "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
+def with_kv_cache_dtype(layers: tuple[LayerSpec, ...], kv_cache_dtype: str) -> tuple[LayerSpec, ...]:
+    """``layers`` with the attention layers' KV dtype set to ``kv_cache_dtype`` (a ``KV_CACHE_DTYPES`` name;
+    ``"auto"``: unchanged); Mamba states keep theirs. ``ValueError`` for an unknown name."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+    return tuple(replace(l, dtype=dtype) if dtype and hasattr(l, "dtype") else l for l in layers)
+
+
 def kv_dtype(cfg: dict[str, Any], override: str | None = None) -> str:
     """The KV cache dtype: ``override``, else the model dtype with float32 served as bfloat16.
 
@@ -146,8 +156,6 @@ def layers_from_hf_config(
     ``--kv-cache-dtype``: a Mamba state stays in its own dtype. Raises ``ValueError`` for configs that lack
     the needed fields or an unknown ``kv_cache_dtype``.
     """
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
     cfg = text_config(config)
     kinds = layer_kinds(cfg)
     n = len(kinds)
@@ -161,10 +169,9 @@ def layers_from_hf_config(
     if any(k == FULL for k in kinds):  # Gemma 4: the full-attention layers' own KV shape
         full_heads = cfg.get("num_global_key_value_heads") or heads
         full_head_size = cfg.get("global_head_dim") or head_size
-    state_dtype = kv_dtype(cfg, dtype)
-    kvd = KV_CACHE_DTYPES[kv_cache_dtype] or state_dtype
+    kvd = kv_dtype(cfg, dtype)
     names = [name_format.format(i=i) for i in range(n)]
-    state = mamba_state(cfg, state_dtype) if RECURRENT in kinds else None
+    state = mamba_state(cfg, kvd) if RECURRENT in kinds else None
 
     shared_from = n - int(cfg.get("num_kv_shared_layers") or 0)
     if not 0 < shared_from <= n:
@@ -190,4 +197,4 @@ def layers_from_hf_config(
                 )
             else:
                 layers.append(FullAttentionSpec(**{**common, "num_kv_heads": full_heads, "head_size": full_head_size}))
-    return tuple(layers)
+    return with_kv_cache_dtype(tuple(layers), kv_cache_dtype)
