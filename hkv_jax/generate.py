@@ -36,7 +36,6 @@ class GenerateConfig:
     # are greedy and uncut, with no penalty.
     sampling: dict = field(default_factory=dict)
     stop: tuple[str, ...] = ()    # stop strings
-    kv_dtype: str = "float32"
     quantize: str | None = None   # "int8": int8 weights (hkv_jax.models.quant)
     engine: dict = field(default_factory=dict)
 
@@ -60,7 +59,7 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
     compiled a program (the decode step's own bucket, the first time) are ``decode_compile_seconds``."""
     cfg.params()  # checked before the model loads
     t0 = time.perf_counter()
-    model, codec = load_pretrained(cfg.model, kv_dtype=cfg.kv_dtype, quantize=cfg.quantize, progress=progress)
+    model, codec = load_pretrained(cfg.model, quantize=cfg.quantize, progress=progress)
     ids = codec.encode(gemma_chat([{"role": "user", "content": prompt}]) if cfg.chat else prompt)
     config = engine_config(model, **{**GENERATE_DEFAULTS, **cfg.engine, "max_requests": 1,
                                      "max_model_len": len(ids) + cfg.max_new_tokens})

@@ -199,3 +199,23 @@ def test_gpu_projection_reports_no_unfused_bytes_where_the_lowering_has_no_cost_
     lowered = jax.jit(lambda x: x * 2).lower(jnp.zeros(1024, jnp.float32))
     assert projection._unfused_bytes(lowered) >= 2 * 4096
 
+
+
+def test_fp8_quality_benchmark_reads_one_text_through_fp8_and_reference_pages(tmp_path, capsys):
+    """``kv_fp8_quality.py`` in its smallest mode (tiny-gemma3, 96 byte tokens in 32-token chunks, past its
+    32-token window): both perplexities and the agreement come from the same positions, and the fp8 pages
+    move the logits (a little: the perplexities within a factor of 1.5)."""
+    import importlib.util
+    import math
+
+    text = tmp_path / "text.txt"
+    text.write_text("A paged KV cache keeps each request's keys and values in fixed-size blocks. " * 3)
+    spec = importlib.util.spec_from_file_location("kv_fp8_quality", ROOT / "benchmarks/kv_fp8_quality.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--model", "tiny-gemma3", "--tokens", "96", "--chunk", "32", "--text", str(text),
+                       "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert (row["tokens"], row["ref_dtype"], row["fp8_dtype"]) == (96, "float32", "float8_e4m3fn")
+    assert 1 < row["ppl_ref"] < math.inf and 0 < row["greedy_agreement"] <= 1 and row["max_logit_err"] > 0
+    assert abs(math.log(row["ppl_fp8"] / row["ppl_ref"])) < math.log(1.5)
