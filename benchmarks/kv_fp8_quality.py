@@ -47,10 +47,11 @@ def default_text() -> str:
 
 def paged_reader(model, kv_cache_dtype: str, num_tokens: int, block_size: int = 16):
     """A cache holding ``num_tokens`` tokens of one sequence in every KV cache group (nothing freed), its
-    block tables, and the attention layers' dtype."""
+    block tables, and the attention layers' dtype (``report.cache_dtypes``)."""
     from hkv_jax.cache import init_cache
     from hkv_jax.models.hf_config import with_kv_cache_dtype
     from hkv_jax.planner import plan
+    from hkv_jax.report import cache_dtypes
 
     layers = with_kv_cache_dtype(model.cfg.layers, kv_cache_dtype)
     per_group = [math.ceil(num_tokens / g.block_size) for g in plan(layers, block_size=block_size,
@@ -58,7 +59,7 @@ def paged_reader(model, kv_cache_dtype: str, num_tokens: int, block_size: int = 
     config = plan(layers, block_size=block_size, num_blocks=1 + sum(per_group))
     starts = np.cumsum([1] + per_group[:-1])
     tables = [jnp.arange(s, s + n, dtype=jnp.int32)[None] for s, n in zip(starts, per_group)]
-    return init_cache(config), tables, config.groups[0].spec.dtype
+    return init_cache(config), tables, "/".join(cache_dtypes(layers)["kv"])
 
 
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
