@@ -138,7 +138,8 @@ def kv_write(kv_pages, k, v, slots, *, impl: str = "auto", interpret: bool = Fal
     else:
         kernel = impl in ("triton", "mosaic_gpu", "triton_interpret")
         interpret |= impl == "triton_interpret"
-    if kernel:
+    if kernel:  # saturated here: the kernel's store is a plain cast
+        k, v = (reference.to_page_dtype(x, kv_pages.dtype) for x in (k, v))
         return kv_write_portable.kv_write(kv_pages, k, v, slots, interpret=interpret)
     return reference.kv_write(kv_pages, k, v, slots)
 

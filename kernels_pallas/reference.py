@@ -117,11 +117,22 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     return grouped_attention(q, pages[:, :, 0], pages[:, :, 1], mask, params, sinks).astype(q.dtype)
 
 
+def to_page_dtype(x: jax.Array, dtype) -> jax.Array:
+    """``x`` cast to a KV page dtype. fp8 saturates: a value past the format's largest finite one (448 in
+    e4m3, where the plain cast gives NaN; 57,344 in e5m2, where it gives inf) is stored as that value, so
+    one large K/V entry cannot poison every later score of its page."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        big = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -big, big)
+    return x.astype(dtype)
+
+
 @jax.jit
 def kv_write(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
     """Store ``k, v: [T, Hkv, D]`` at ``slots: i32[T]`` (``page * block_size + offset``; -1 skips)."""
     n, _, _, bs, _ = kv_pages.shape
     page = jnp.where(slots >= 0, slots // bs, n)  # out of range: dropped
     off = jnp.where(slots >= 0, slots % bs, 0)
-    kv = jnp.stack([k, v], axis=1).astype(kv_pages.dtype)     # [T, 2, Hkv, D]
+    kv = to_page_dtype(jnp.stack([k, v], axis=1), kv_pages.dtype)  # [T, 2, Hkv, D]
     return kv_pages.at[page, :, :, off].set(kv, mode="drop")

@@ -120,7 +120,11 @@ class Attention(nnx.Module):
     def paged(self, x, positions, cache: KVCache, metadata: AttentionMetadata, impl: str):
         """A ragged batch through the paged cache: KV write, then attention."""
         q, k, v = self._qkv(x, positions)
-        dt = cache.layout.slot(self.name).spec.dtype
+        dt = jnp.dtype(cache.layout.slot(self.name).spec.dtype)
+        # Over bfloat16/float32 pages the attention runs in the pages' dtype; over fp8 pages in the model's:
+        # the KV write rounds K/V (saturating), the kernels read the pages up to the queries' dtype, and the
+        # queries and the output are not rounded.
+        dt = x.dtype if dt.itemsize == 1 else dt
         out, cache = attention(self.name, q.astype(dt), k.astype(dt), v.astype(dt), cache, metadata,
                                sm_scale=self.scale, soft_cap=self.cfg.attn_soft_cap, impl=impl)
         return self.o_proj(out.astype(x.dtype).reshape(x.shape[0], -1)), cache

@@ -34,6 +34,7 @@ from hkv_jax.models.hf_config import layers_from_hf_config, text_config
 from hkv_jax.models.layers import capped, dense_attention, rope
 from hkv_jax.models.mamba2 import Mamba2, Mamba2Config
 from hkv_jax.spec import LayerSpec
+from kernels_pallas.reference import to_page_dtype
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ class Attention(nnx.Module):
         by index (this layer adds its own; a KV-sharing layer reads its target's)."""
         q, k, v = self._qkv(x, jnp.arange(x.shape[0]))
         if self.owns_kv:  # rounded as the cache stores them (fp8, bf16; no-op for float32 pages)
-            k, v = (t.astype(self.kv_dtype).astype(t.dtype) for t in (k, v))
+            k, v = (to_page_dtype(t, self.kv_dtype).astype(t.dtype) for t in (k, v))
             kv[self.index] = k, v
         k, v = kv[self.cfg.kv_source(self.index)]
         window, chunk = self.cfg.window(self.index)
