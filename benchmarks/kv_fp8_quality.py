@@ -9,11 +9,18 @@ attention layers' pages in ``--ref`` (``auto``: the model's float32), one in ``f
 layers' 512-token window and the full layers' whole context, as a served prefill does. Per position with a
 next token: its log-probability under each (the perplexities), whether the two argmaxes agree
 (``greedy_agreement``, teacher-forced), and the largest logit difference over the vocabulary
-(``max_logit_err``). Prints ``{"tokens", "ppl_ref", "ppl_fp8", "greedy_agreement", "max_logit_err"}``.
+(``max_logit_err``); ``teacher_forced_agreement``: the share of positions where the two argmaxes agree.
 
-Run: ``python benchmarks/kv_fp8_quality.py [--tokens 20000] [--chunk 256] [--ref auto] [--json]``; needs
-the ``gemma`` extra. ``--model tiny-gemma3`` (random weights, the text's bytes as tokens) is the smallest
-mode the test suite runs.
+Then free generation: each prompt of ``--prompts`` (default: the Gemma 3 270M reference prompts,
+``tests/data/gemma3_270m_reference.json``) longer than the model's sliding window is prefilled and decoded
+greedily for ``--generate`` tokens through each cache on its own. ``greedy_agreement``: the share of
+generated tokens up to each prompt's first difference (after it the two read different texts), and
+``first_difference`` per prompt (``null``: none). Prints ``{"tokens", "ppl_ref", "ppl_fp8",
+"greedy_agreement", "max_logit_err", ...}``.
+
+Run: ``python benchmarks/kv_fp8_quality.py [--tokens 20000] [--chunk 256] [--ref auto] [--generate 32]
+[--json]``; needs the ``gemma`` extra. ``--model tiny-gemma3`` (random weights, the text's bytes as tokens,
+``--prompts`` a file of byte prompts) is the smallest mode the test suite runs.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from flax import nnx
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_COMMIT = "2746404"  # the docs the default text is read from (about 30,000 tokens)
+PROMPTS = ROOT / "tests" / "data" / "gemma3_270m_reference.json"  # {"prompts": [{"ids": [...]}, ...]}
 
 
 def default_text() -> str:
@@ -113,8 +121,41 @@ def measure(model, ids: list[int], ref_dtype: str, chunk: int, progress: bool = 
         print(file=sys.stderr)
     return {"tokens": len(ids), "ref_dtype": readers[0][2], "fp8_dtype": readers[1][2],
             "ppl_ref": round(math.exp(nll_ref / scored), 4), "ppl_fp8": round(math.exp(nll_fp8 / scored), 4),
-            "greedy_agreement": round(agree / scored, 5), "max_logit_err": round(worst, 4),
+            "teacher_forced_agreement": round(agree / scored, 5), "max_logit_err": round(worst, 4),
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def generate(model, prompt: list[int], new_tokens: int, kv_cache_dtype: str, chunk: int) -> list[int]:
+    """``new_tokens`` greedy tokens after ``prompt`` (prefilled in chunks), through pages of ``kv_cache_dtype``."""
+    graphdef, params = nnx.split(model)
+    cache, tables, _ = paged_reader(model, kv_cache_dtype, len(prompt) + new_tokens)
+    padded = np.zeros(math.ceil(len(prompt) / chunk) * chunk, np.int32)
+    padded[:len(prompt)] = prompt
+    for start in range(0, len(prompt), chunk):
+        length = min(chunk, len(prompt) - start)
+        logits, cache = chunk_logits(graphdef, params, cache, tables, jnp.asarray(padded[start:start + chunk]),
+                                     jnp.int32(start), jnp.int32(length))
+    out = [int(logits[length - 1].argmax())]
+    for pos in range(len(prompt), len(prompt) + new_tokens - 1):
+        logits, cache = chunk_logits(graphdef, params, cache, tables, jnp.asarray(out[-1:], jnp.int32),
+                                     jnp.int32(pos), jnp.int32(1))
+        out.append(int(logits[0].argmax()))
+    return out
+
+
+def greedy(model, prompts: list[list[int]], new_tokens: int, ref_dtype: str, chunk: int) -> dict:
+    """Free greedy generation through both caches (see the module docstring)."""
+    window = max((getattr(s, "window", None) or 0) for s in model.cfg.layers)
+    prompts = [p for p in prompts if len(p) > window]
+    same, first = 0, []
+    for p in prompts:
+        ref, fp8 = (generate(model, p, new_tokens, d, chunk) for d in (ref_dtype, "fp8"))
+        diff = next((i for i, (a, b) in enumerate(zip(ref, fp8)) if a != b), None)
+        first.append(diff)
+        same += new_tokens if diff is None else diff
+    return {"prompts": [len(p) for p in prompts], "generated": new_tokens,
+            "greedy_agreement": round(same / (new_tokens * len(prompts)), 5) if prompts else None,
+            "first_difference": first}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,10 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ref", default="auto", help="the reference pages' kv_cache_dtype (default auto: the model's)")
     ap.add_argument("--text", type=Path, help="a UTF-8 text file (default: the repository's docs at TEXT_COMMIT)")
     ap.add_argument("--model", default="gemma-3-270m", help="gemma-3-270m (default) or a tiny model")
+    ap.add_argument("--prompts", type=Path, default=PROMPTS,
+                    help="a JSON file {\"prompts\": [{\"ids\": [...]}]} (default: the reference prompts)")
+    ap.add_argument("--generate", type=int, default=32, help="greedy tokens per long prompt (0: none)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    if a.tokens < 2 or a.chunk < 1:
-        ap.error("--tokens must be at least 2 and --chunk positive")
+    if a.tokens < 2 or a.chunk < 1 or a.generate < 0:
+        ap.error("--tokens must be at least 2, --chunk positive and --generate at least 0")
     from hkv_jax.engine.factory import load_model
 
     model, codec = load_model(a.model, progress=not a.json)
@@ -137,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"the text has {len(ids)} tokens, fewer than --tokens {a.tokens}")
     row = {"bench": "kv_fp8_quality", "model": a.model, "chunk": a.chunk,
            **measure(model, ids[:a.tokens], a.ref, a.chunk, progress=not a.json)}
+    if a.generate:
+        prompts = [p["ids"] for p in json.loads(a.prompts.read_text())["prompts"]]
+        row |= greedy(model, prompts, a.generate, a.ref, a.chunk)
     print(json.dumps(row) if a.json else "\n".join(f"{k}: {v}" for k, v in row.items()))
     return 0
 

@@ -8,11 +8,14 @@ decode steps are traced. Prints the wall
 time per step and, per operation kind, milliseconds and events per step. Events of the thunk executor
 overlap when it runs thunks side by side, so their sum can exceed the wall time.
 
+``--kv-cache-dtype fp8|bfloat16|...``: the attention layers' pages (``EngineConfig.kv_cache_dtype``).
+
 ``--top-logprobs N``: every request asks for its ``N`` likeliest tokens per step
 (``Engine(max_top_logprobs=N)``), the cost of a ``top_k`` over the vocabulary.
 
 Run: ``python benchmarks/profile_steps.py [--concurrency 32] [--decode-steps 1] [--quantize int8]
-[--top-logprobs 5]``; needs the ``gemma`` extra. Traces go to a temporary directory (``--trace-dir`` keeps them).
+[--top-logprobs 5] [--kv-cache-dtype fp8]``; needs the ``gemma`` extra. Traces go to a temporary directory
+(``--trace-dir`` keeps them).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--token-budget", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=1)
     ap.add_argument("--quantize", choices=QUANTIZE)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the attention layers' pages (EngineConfig)")
     ap.add_argument("--top-logprobs", type=int, default=0, help="likeliest tokens each request asks for per step")
     ap.add_argument("--warm-up", type=int, default=40, help="untimed steps first")
     ap.add_argument("--steps", type=int, default=16, help="decode steps traced (at least)")
@@ -68,7 +72,7 @@ def main(argv=None) -> int:
     prompts = [p["ids"][:args.prompt_tokens] for p in json.loads(REFERENCE.read_text())["prompts"]]
     engine = Engine(model, engine_config(model, max_model_len=args.prompt_tokens + 200, max_requests=args.concurrency,
                                          token_budget=args.token_budget, decode_steps=args.decode_steps,
-                                         max_top_logprobs=args.top_logprobs))
+                                         max_top_logprobs=args.top_logprobs, kv_cache_dtype=args.kv_cache_dtype))
     for i in range(args.concurrency):
         engine.add_request(prompts[i % len(prompts)], 200, top_logprobs=args.top_logprobs)
     fresh = True  # until a step compiles nothing: compiles would swamp the trace
@@ -89,6 +93,7 @@ def main(argv=None) -> int:
         print("warning: the traced steps compiled a program (raise --warm-up)", file=sys.stderr)
     ops = sorted(op_times(trace_dir).items(), key=lambda kv: -kv[1][0])
     result = {"concurrency": args.concurrency, "decode_steps": args.decode_steps, "quantize": args.quantize,
+              "kv_cache_dtype": args.kv_cache_dtype, "prompt_tokens": args.prompt_tokens,
               "top_logprobs": args.top_logprobs,
               "steps": n, "wall_ms_per_step": round(wall / n * 1e3, 1),
               "ops": [{"kind": k, "ms_per_step": round(ns / n / 1e6, 2), "events_per_step": round(c / n, 1)}

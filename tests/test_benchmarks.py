@@ -204,7 +204,8 @@ def test_gpu_projection_reports_no_unfused_bytes_where_the_lowering_has_no_cost_
 def test_fp8_quality_benchmark_reads_one_text_through_fp8_and_reference_pages(tmp_path, capsys):
     """``kv_fp8_quality.py`` in its smallest mode (tiny-gemma3, 96 byte tokens in 32-token chunks, past its
     32-token window): both perplexities and the agreement come from the same positions, and the fp8 pages
-    move the logits (a little: the perplexities within a factor of 1.5)."""
+    move the logits (a little: the perplexities within a factor of 1.5). Then 4 greedy tokens after each
+    prompt longer than the window (two of three), through each cache."""
     import importlib.util
     import math
 
@@ -213,9 +214,14 @@ def test_fp8_quality_benchmark_reads_one_text_through_fp8_and_reference_pages(tm
     spec = importlib.util.spec_from_file_location("kv_fp8_quality", ROOT / "benchmarks/kv_fp8_quality.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": [{"ids": list(range(40, 80))}, {"ids": [7] * 10},
+                                               {"ids": list(b"paged " * 7)}]}))
     assert bench.main(["--model", "tiny-gemma3", "--tokens", "96", "--chunk", "32", "--text", str(text),
-                       "--json"]) == 0
+                       "--prompts", str(prompts), "--generate", "4", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert (row["tokens"], row["ref_dtype"], row["fp8_dtype"]) == (96, "float32", "float8_e4m3fn")
-    assert 1 < row["ppl_ref"] < math.inf and 0 < row["greedy_agreement"] <= 1 and row["max_logit_err"] > 0
+    assert 1 < row["ppl_ref"] < math.inf and 0 < row["teacher_forced_agreement"] <= 1 and row["max_logit_err"] > 0
+    assert row["prompts"] == [40, 42] and row["generated"] == 4 and len(row["first_difference"]) == 2
+    assert row["greedy_agreement"] == sum(4 if d is None else d for d in row["first_difference"]) / 8
     assert abs(math.log(row["ppl_fp8"] / row["ppl_ref"])) < math.log(1.5)
