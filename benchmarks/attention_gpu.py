@@ -1,7 +1,8 @@
 """Paged attention on a GPU: decode and prefill time, achieved HBM bandwidth, fraction of peak.
 
 Each case: B sequences of ``context`` tokens whose pages (``page`` tokens each) sit at random block
-ids; 8 kv heads, head size 128, bf16 KV, 32 query heads. Decode: one query token per sequence.
+ids; 8 kv heads, head size 128, bf16 KV (``--kv-dtype fp8``: e4m3 pages, half the bytes, bf16 queries),
+32 query heads. Decode: one query token per sequence.
 Prefill: the last ``--prefill-chunk`` tokens of each sequence are queries (a chunked-prefill step).
 Implementations: ``ours`` (``kernels_pallas.paged_attention``, ``impl=auto``: Mosaic GPU on Hopper),
 ``mosaic_gpu`` (that kernel, its context split as ``auto`` splits it; the rows say into how many runs),
@@ -14,8 +15,8 @@ rows also give TFLOP/s: 4 x head size x query heads per (query, visible key) pai
 
 ``--smoke`` runs tiny cases on CPU (Pallas in interpret mode; times are meaningless there) so that CI
 keeps the script working. Run: ``python benchmarks/attention_gpu.py [--batch 1,8,64,256]
-[--context 1024,4096,32768] [--page 16,32,64] [--mode decode,prefill] [--json]``; ``--json`` prints each
-row as a JSON line as soon as it is timed (a run cut short keeps the rows it has).
+[--context 1024,4096,32768] [--page 16,32,64] [--mode decode,prefill] [--kv-dtype fp8] [--json]``;
+``--json`` prints each row as a JSON line as soon as it is timed (a run cut short keeps the rows it has).
 """
 
 from __future__ import annotations
@@ -45,13 +46,13 @@ def peak_bandwidth() -> float | None:
 
 
 def make_case(batch: int, context: int, page: int, q_per_seq: int, seed: int = 0, kv_heads=KV_HEADS,
-              head=HEAD, q_heads=Q_HEADS):
-    """Random q, pages (random block ids, block 0 left as the null block) and metadata."""
+              head=HEAD, q_heads=Q_HEADS, kv_dtype=DTYPE):
+    """Random q, pages in ``kv_dtype`` (random block ids, block 0 left as the null block) and metadata."""
     per_seq = -(-context // page)
     n = batch * per_seq + 1
     key = jax.random.key(seed)
     kq, kp = jax.random.split(key)
-    pages = jax.random.normal(kp, (n, 2, kv_heads, page, head), DTYPE)
+    pages = jax.random.normal(kp, (n, 2, kv_heads, page, head), DTYPE).astype(kv_dtype)
     tables = 1 + np.random.default_rng(seed).permutation(n - 1).reshape(batch, per_seq).astype(np.int32)
     q = jax.random.normal(kq, (batch * q_per_seq, q_heads, head), DTYPE)
     qsl = jnp.arange(batch + 1, dtype=jnp.int32) * q_per_seq
@@ -60,13 +61,12 @@ def make_case(batch: int, context: int, page: int, q_per_seq: int, seed: int = 0
 
 
 def case_bytes(batch: int, context: int, page: int, q_tokens: int, kv_heads=KV_HEADS, head=HEAD,
-               q_heads=Q_HEADS) -> int:
-    item = jnp.dtype(DTYPE).itemsize
-    kv = batch * -(-context // page) * page * 2 * kv_heads * head * item
-    return kv + 2 * q_tokens * q_heads * head * item
+               q_heads=Q_HEADS, kv_dtype=DTYPE) -> int:
+    kv = batch * -(-context // page) * page * 2 * kv_heads * head * jnp.dtype(kv_dtype).itemsize
+    return kv + 2 * q_tokens * q_heads * head * jnp.dtype(DTYPE).itemsize
 
 
-def implementations(mode: str, smoke: bool):
+def implementations(mode: str, smoke: bool, kv_dtype=DTYPE):
     """name -> fn(q, pages, tables, qsl, lens) for the implementations of ``mode``."""
     params = AttentionParams()
     def paged(impl):
@@ -78,7 +78,7 @@ def implementations(mode: str, smoke: bool):
         impls["mosaic_gpu"] = paged("mosaic_gpu")
         impls["mosaic_gpu_nosplit"] = lambda *a: paged_attention_mgpu.paged_attention(*a, params, interpret=smoke,
                                                                                       splits=1)
-    if mode == "decode":
+    if mode == "decode" and jnp.dtype(kv_dtype) == jnp.dtype(DTYPE):  # JAX's kernel reads q's dtype only
         try:
             impls["jax"] = jax_paged_attention(smoke)
         except ImportError as e:  # JAX 0.12.1 dropped pallas.ops.gpu.paged_attention
@@ -140,10 +140,10 @@ def timed(fn, args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def check(impls, mode: str, smoke: bool) -> dict[str, float]:
+def check(impls, mode: str, kv_dtype=DTYPE) -> dict[str, float]:
     """Max |impl - reference| on a small case per implementation (a failed check drops the impl)."""
     q_per = 1 if mode == "decode" else 8
-    args = make_case(3, 128, 16, q_per, seed=1, kv_heads=2, q_heads=8, head=128)
+    args = make_case(3, 128, 16, q_per, seed=1, kv_heads=2, q_heads=8, head=128, kv_dtype=kv_dtype)
     want = np.asarray(reference.paged_attention(*args, AttentionParams()), np.float32)
     errs = {}
     for name, fn in list(impls.items()):
@@ -168,9 +168,11 @@ def main(argv=None) -> int:
     p.add_argument("--mode", default="decode,prefill")
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--kv-dtype", choices=("bfloat16", "fp8"), default="bfloat16", help="the pages' dtype (fp8: e4m3)")
     p.add_argument("--smoke", action="store_true", help="tiny cases on CPU (interpret mode)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    kv_dtype = jnp.dtype(jnp.float8_e4m3fn if a.kv_dtype == "fp8" else DTYPE)
     if a.smoke:
         a.batch, a.context, a.page, a.repeats, a.prefill_chunk = "2", "64", "16", 1, 4
     dev = jax.devices()[0]
@@ -178,16 +180,16 @@ def main(argv=None) -> int:
     print(f"# device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
           f"peak HBM {peak / 1e12 if peak else float('nan'):.2f} TB/s", file=sys.stderr)
     for mode in a.mode.split(","):
-        impls = implementations(mode, a.smoke)
-        errs = check(impls, mode, a.smoke)
+        impls = implementations(mode, a.smoke, kv_dtype)
+        errs = check(impls, mode, kv_dtype)
         print(f"# {mode}: checked against the reference: "
               + ", ".join(f"{k} {v:.2g}" for k, v in errs.items() if k in impls), file=sys.stderr)
         q_per = 1 if mode == "decode" else a.prefill_chunk
         for page in map(int, a.page.split(",")):
             for context in map(int, a.context.split(",")):
                 for batch in map(int, a.batch.split(",")):
-                    args = make_case(batch, context, page, q_per)
-                    nbytes = case_bytes(batch, context, page, batch * q_per)
+                    args = make_case(batch, context, page, q_per, kv_dtype=kv_dtype)
+                    nbytes = case_bytes(batch, context, page, batch * q_per, kv_dtype=kv_dtype)
                     for name, fn in impls.items():
                         if name == "xla" and nbytes * Q_HEADS // KV_HEADS * q_per > XLA_LIMIT:
                             continue
@@ -197,7 +199,7 @@ def main(argv=None) -> int:
                         row = {"mode": mode, "impl": name, "batch": batch, "context": context, "page": page,
                                "time_us": round(us, 1), "bytes": nbytes, "bandwidth_gbs": round(bw / 1e9, 1),
                                "peak_fraction": round(bw / peak, 3) if peak else None,
-                               "device": dev.device_kind}
+                               "kv_dtype": kv_dtype.name, "device": dev.device_kind}
                         if name == "mosaic_gpu" or (name == "ours" and kernels_pallas.default_impl() == name):
                             row["splits"] = mosaic_splits(batch, q_per, context, page)
                         if mode == "prefill":

@@ -4,8 +4,8 @@ Reads the session's output folder (whatever steps finished: a step cut short by 
 it printed) and writes ``{"device", "commit", "date", "jax", "rows": [...]}``. Each row has a ``bench``
 field:
 
-- ``attention_decode``: ``impl``, ``batch``, ``context``, ``page``, ``time_us``, ``peak_fraction`` (and
-  ``splits`` for the Mosaic GPU kernel), from ``attention_decode.jsonl``;
+- ``attention_decode``: ``impl``, ``batch``, ``context``, ``page``, ``time_us``, ``peak_fraction``, ``kv_dtype``
+  (and ``splits`` for the Mosaic GPU kernel), from ``attention_decode.jsonl`` and ``attention_decode_fp8.jsonl``;
 - ``attention_prefill``: ``impl``, ``batch``, ``context``, ``time_us``, ``tflops``, from
   ``attention_prefill.jsonl``;
 - ``decode_profile``: ``config``, ``batch``, ``context``, ``step_ms``, ``gpu_busy_ms``, ``kernels_per_step``,
@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 FIELDS = {
-    "attention_decode": ("impl", "batch", "context", "page", "time_us", "peak_fraction", "splits"),
+    "attention_decode": ("impl", "batch", "context", "page", "time_us", "peak_fraction", "splits", "kv_dtype"),
     "attention_prefill": ("impl", "batch", "context", "page", "time_us", "tflops", "splits"),
     "decode_profile": ("config", "batch", "context", "decode_steps", "step_ms", "gpu_busy_ms", "kernels_per_step",
                        "top"),
@@ -57,7 +57,7 @@ def collect(out: Path) -> tuple[list[dict], str | None]:
     """The rows of the session folder ``out`` and the device name they report."""
     rows, device = [], None
     for mode in ("decode", "prefill"):
-        for r in _json_lines(out / f"attention_{mode}.jsonl"):
+        for r in (r for path in sorted(out.glob(f"attention_{mode}*.jsonl")) for r in _json_lines(path)):
             rows.append(_pick(f"attention_{mode}", r))
             device = device or r.get("device")
     cold, warm = (_json_lines(out / f"decode_profile_{k}.json") for k in ("cold", "warm"))

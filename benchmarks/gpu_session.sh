@@ -2,8 +2,9 @@
 # One prepared GPU run (the `device` tool's machine: jax + CUDA plugin installed, no internet), at most about
 # 8 minutes on an H200 with the compiles. Each step runs under its own `timeout` and writes its rows as it goes,
 # so a step cut short keeps what it measured and the next one runs:
-#   1. attention, decode then prefill: every kernel checked against the reference on this GPU, then timed
-#      (ours, the Mosaic GPU kernel with and without its context split, the portable one, XLA, JAX's own);
+#   1. attention, decode (bf16, then fp8 pages at 32k) then prefill: every kernel checked against the reference
+#      on this GPU, then timed (ours, the Mosaic GPU kernel with and without its context split, the portable one,
+#      XLA, JAX's own);
 #   2. the engine's parity workload on this GPU's kernels against the dense model;
 #   3. decode_profile: a Gemma 3 270M decode step (B=1, 1k): wall, GPU busy time, kernels a step, top kernels;
 #      run twice, the second with the first's compilation cache: the start, cold and warm;
@@ -34,6 +35,8 @@ if [ -n "$smoke" ]; then
 else
   step attention_decode.jsonl 120 python benchmarks/attention_gpu.py --mode decode --batch 1,64,256 \
     --context 4096,32768 --page 16 --repeats 10 --json
+  step attention_decode_fp8.jsonl 60 python benchmarks/attention_gpu.py --mode decode --batch 1,64 \
+    --context 32768 --page 16 --repeats 10 --kv-dtype fp8 --json
   step attention_prefill.jsonl 60 python benchmarks/attention_gpu.py --mode prefill --batch 1,8 \
     --context 4096,32768 --page 16 --repeats 5 --json
   step parity.jsonl 100 python benchmarks/gpu_parity.py --cases tiny-gemma3:vllm,tiny-jamba:min-waste

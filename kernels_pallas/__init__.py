@@ -78,8 +78,9 @@ def _known(impl: str) -> str:
 def supports(impl: str, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: int, max_blocks: int = 0) -> Support:
     """Whether attention kernel ``impl`` takes these shapes (with the reason when it does not); the jnp
     implementations take every shape."""
-    if impl == "mosaic_gpu":  # q is cast to the KV dtype for this kernel: q's own dtype does not matter
-        return paged_attention_mgpu.supports(kv_dtype, kv_pages_shape, kv_dtype, num_q_heads, max_blocks)
+    if impl == "mosaic_gpu":  # q is cast to the dtype this kernel multiplies in: q's own dtype does not matter
+        return paged_attention_mgpu.supports(paged_attention_mgpu.compute_dtype(kv_dtype), kv_pages_shape, kv_dtype,
+                                             num_q_heads, max_blocks)
     if impl == "triton":
         return paged_attention_portable.supports(kv_pages_shape, num_q_heads)
     if impl == "tpu":
@@ -106,7 +107,8 @@ def paged_attention(q, kv_pages, block_tables, query_start_loc, seq_lens, params
                     sinks=None, *, impl: str = "auto", interpret: bool = False):
     """Ragged paged attention with the chosen implementation (see ``reference.paged_attention``).
 
-    The Mosaic GPU kernel multiplies in the KV dtype: q is cast to it, the output back to q's dtype.
+    The Mosaic GPU kernel multiplies in the KV dtype (bf16 over fp8 pages, ``paged_attention_mgpu.compute_dtype``):
+    q is cast to it, the output back to q's dtype.
     """
     impl = choose(impl, kv_pages.shape, kv_pages.dtype, q.shape[1], block_tables.shape[1])
     if impl.endswith("_interpret"):
@@ -115,9 +117,8 @@ def paged_attention(q, kv_pages, block_tables, query_start_loc, seq_lens, params
     if impl == "tpu":
         return paged_attention_tpu.paged_attention(q, *args, interpret=interpret)
     if impl == "mosaic_gpu":
-        return paged_attention_mgpu.paged_attention(q.astype(kv_pages.dtype), *args, interpret=interpret).astype(
-            q.dtype
-        )
+        compute = paged_attention_mgpu.compute_dtype(kv_pages.dtype)
+        return paged_attention_mgpu.paged_attention(q.astype(compute), *args, interpret=interpret).astype(q.dtype)
     if impl == "reference":
         return reference.paged_attention(q, *args)
     if impl == "blocked":

@@ -32,8 +32,14 @@ past the last position, or pages shared with Mamba states) may hold any bits,
 NaN and Inf included. Their scores are masked, and their V rows are zeroed in
 shared memory before ``P V`` (only the first and last tile can hold them).
 
-Limits (``supports``; the dispatcher falls back to the portable kernel): bf16 or
-fp16 KV equal to q's dtype, ``block_size`` a multiple of 16, ``head_size`` a
+fp8 pages (e4m3 or e5m2): the tensor cores multiply in bf16 (``compute_dtype``). Each
+K/V tile is copied into shared memory as fp8 (half the bytes of a bf16 page), then
+read into registers, converted (through f32: this ptxas converts fp8 to f16 only)
+and stored as a bf16 tile for the wgmma; the V tile's rows outside the visible
+range are zeroed in that pass.
+
+Limits (``supports``; the dispatcher falls back to the portable kernel): bf16,
+fp16 or fp8 KV, q in ``compute_dtype`` of it, ``block_size`` a multiple of 16, ``head_size`` a
 multiple of 64, ``G`` dividing 64, a table of at most 16,384 columns, shared memory within an
 H100/H200's 227 KiB.
 """
@@ -67,9 +73,19 @@ MAX_TABLE_ROWS = 256
 _SEQ, _KEY_LO, _KEY_HI, META = range(4)
 
 
-def smem_bytes(head_size: int, max_blocks: int, itemsize: int = 2) -> int:
-    """Shared memory the kernel takes: Q, double-buffered K and V tiles, P, the table row, metadata."""
-    tiles = (ROWS + 4 * KEYS) * head_size * itemsize + ROWS * KEYS * itemsize
+FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def compute_dtype(kv_dtype):
+    """The dtype the tensor cores multiply in over pages of ``kv_dtype``: its own for bf16/fp16, bf16 for fp8."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(kv_dtype) in FP8 else jnp.dtype(kv_dtype)
+
+
+def smem_bytes(head_size: int, max_blocks: int, kv_itemsize: int = 2) -> int:
+    """Shared memory the kernel takes: Q, double-buffered K and V tiles (and their bf16 copies over fp8
+    pages), P, the table row, metadata."""
+    tiles = (ROWS * 2 + 4 * KEYS * kv_itemsize + (4 * KEYS if kv_itemsize == 1 else 0)) * head_size + ROWS * KEYS * 2
     return tiles + 4 * _table_rows(max_blocks) * TABLE_COLS + 4 * (8 + 2 * ROWS + ROWS) + 64
 
 
@@ -82,10 +98,11 @@ def supports(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: in
     """Why this kernel cannot run the given shapes (``None`` when it can); ``max_blocks``: the
     block table's width (its row sits in shared memory)."""
     _, _, hkv, bs, d = kv_pages_shape
-    if jnp.dtype(kv_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return no(f"KV dtype {jnp.dtype(kv_dtype).name} (bf16/fp16 only)")
-    if jnp.dtype(q_dtype) != jnp.dtype(kv_dtype):
-        return no("q and KV dtypes differ")
+    if jnp.dtype(kv_dtype) not in HALF + FP8:
+        return no(f"KV dtype {jnp.dtype(kv_dtype).name} (bf16, fp16 or fp8 only)")
+    if jnp.dtype(q_dtype) != compute_dtype(kv_dtype):
+        return no(f"q dtype {jnp.dtype(q_dtype).name} over {jnp.dtype(kv_dtype).name} pages "
+                  f"({compute_dtype(kv_dtype).name} needed)")
     if bs % 16:
         return no(f"block_size {bs} (a multiple of 16 needed)")
     if d % 64:
@@ -94,8 +111,9 @@ def supports(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: in
         return no(f"GQA group {num_q_heads // max(hkv, 1)} does not divide {ROWS}")
     if _table_rows(max_blocks) > MAX_TABLE_ROWS:
         return no(f"{max_blocks} table columns (at most {MAX_TABLE_ROWS * TABLE_COLS:,})")
-    if smem_bytes(d, max_blocks) > SMEM_BYTES:
-        return no(f"head_size {d} with {max_blocks} table columns ({smem_bytes(d, max_blocks)} bytes of shared memory)")
+    need = smem_bytes(d, max_blocks, jnp.dtype(kv_dtype).itemsize)
+    if need > SMEM_BYTES:
+        return no(f"head_size {d} with {max_blocks} table columns ({need} bytes of shared memory)")
     return YES
 
 
@@ -146,7 +164,8 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
         o_ref, lse_ref, *refs = refs
     else:
         (o_ref, *refs), lse_ref = refs, None
-    meta_smem, rows_smem, bt_smem, q_smem, k_smem, v_smem, p_smem, row_smem, bars, k_bars, v_bars = refs
+    meta_smem, rows_smem, bt_smem, q_smem, k_smem, v_smem, p_smem, row_smem, bars, k_bars, v_bars, *half = refs
+    fp8 = bool(half)  # fp8 pages: ``half`` holds the bf16 K and V tiles the wgmmas read
     item, h = jax.lax.axis_index("item"), jax.lax.axis_index("head")
     split = jax.lax.axis_index("split") if splits > 1 else 0
     bs, d = kv_ref.shape[3], k_smem.shape[2]
@@ -172,6 +191,9 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
     plgpu.barrier_wait(bars.at[3])
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def to_compute(tile):  # an fp8 tile in registers, in q's dtype (through f32: ptxas converts fp8 to f16 only)
+        return plgpu.load(tile, layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32).astype(q_smem.dtype)
     row_pos = plgpu.load(rows_smem.at[0], layout=row_layout)
     row_lo = plgpu.load(rows_smem.at[1], layout=row_layout)
     col = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=plgpu.Layout.WGMMA)
@@ -205,9 +227,15 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
             fetch(t + 1, 1 - slot)
 
         wait(k_bars, slot)
+        if fp8:
+            k_tile = half[0]
+            k_tile[...] = to_compute(k_smem.at[slot])
+            plgpu.commit_smem()
+        else:
+            k_tile = k_smem.at[slot]
 
         def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+            plgpu.wgmma(acc_ref, q_smem, k_tile.T)
             return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, KEYS), jnp.float32)) * scale
@@ -226,11 +254,19 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
 
         wait(v_bars, slot)
 
-        @pl.when((t == tile_lo) | (t == tile_hi - 1))
-        def _():  # edge tiles: zero V rows outside [key_lo, key_hi), so 0 * NaN never reaches O
+        def visible(v):  # V rows outside [key_lo, key_hi) zeroed, so 0 * NaN never reaches O
             key = plgpu.broadcasted_iota(jnp.int32, (KEYS, d), 0, layout=plgpu.Layout.WGMMA) + t * KEYS
-            v = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA)
-            v_smem[slot] = jnp.where((key >= key_lo) & (key < key_hi), v, jnp.zeros_like(v))
+            return jnp.where((key >= key_lo) & (key < key_hi), v, jnp.zeros_like(v))
+
+        if fp8:  # every tile goes through registers anyway: zero its stale rows there
+            v_tile = half[1]
+            v_tile[...] = visible(to_compute(v_smem.at[slot]))
+        else:
+            v_tile = v_smem.at[slot]
+
+            @pl.when((t == tile_lo) | (t == tile_hi - 1))
+            def _():  # only the edge tiles can hold stale rows
+                v_smem[slot] = visible(plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA))
 
         # P goes through shared memory and into a fresh accumulator: the Mosaic GPU
         # interpreter takes wgmma operands from refs only (registers would save a trip).
@@ -238,7 +274,7 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
         plgpu.commit_smem()
 
         def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+            plgpu.wgmma(acc_ref, p_smem, v_tile)
             return acc_ref[...]
 
         acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, d), jnp.float32))
@@ -327,6 +363,10 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     in_kernel_sinks = sinks is not None and splits == 1
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     chunk = math.gcd(bs, KEYS)
+    fp8 = kv_pages.dtype in FP8
+    # fp8 tiles are only read into registers: plain rows; the wgmma operands are tiled and swizzled.
+    kv_tile = plgpu.SMEM((2, KEYS, d), kv_pages.dtype, **({} if fp8 else {"transforms": tiled}))
+    half = [plgpu.SMEM((KEYS, d), q.dtype, transforms=tiled)] * 2 if fp8 else []
     kernel = plgpu.kernel(
         functools.partial(_kernel, params=params, scale=params.scale(d), has_sinks=in_kernel_sinks,
                           chunk=chunk, splits=splits),
@@ -338,13 +378,14 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
             plgpu.SMEM((2, ROWS), jnp.int32),
             plgpu.SMEM((rows_, TABLE_COLS), jnp.int32),
             plgpu.SMEM((ROWS, d), q.dtype, transforms=tiled),
-            plgpu.SMEM((2, KEYS, d), kv_pages.dtype, transforms=tiled),
-            plgpu.SMEM((2, KEYS, d), kv_pages.dtype, transforms=tiled),
-            plgpu.SMEM((ROWS, KEYS), kv_pages.dtype, transforms=tiled),
+            kv_tile,
+            kv_tile,
+            plgpu.SMEM((ROWS, KEYS), q.dtype, transforms=tiled),
             plgpu.SMEM((ROWS,), jnp.float32),
             plgpu.Barrier(num_barriers=5),
             plgpu.Barrier(num_barriers=2 * (KEYS // chunk)),
             plgpu.Barrier(num_barriers=2 * (KEYS // chunk)),
+            *half,
         ],
         grid=(n, hkv) if splits == 1 else (n, hkv, splits),
         grid_names=("item", "head") if splits == 1 else ("item", "head", "split"),

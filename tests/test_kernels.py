@@ -151,13 +151,24 @@ def test_mosaic_gpu_kernel_equals_dense_attention(case):
              kv_dtype="float8_e4m3fn"))
 def test_fp8_pages_are_read_as_the_rounded_keys_and_values_by_every_kernel_that_takes_them(case):
     """fp8 (e4m3) pages under float32 queries: the reference, the blocked loop and the portable and TPU kernels
-    (interpret mode) each equal the dense attention over the K/V rounded to fp8, to float32's tolerance;
-    the Mosaic GPU kernel refuses them (``auto`` falls back)."""
+    (interpret mode) each equal the dense attention over the K/V rounded to fp8, to float32's tolerance.
+    The Mosaic GPU kernel multiplies in bf16 over them (the next test): it refuses float32 queries, which
+    the dispatcher casts."""
     for fn, kw in ((reference.paged_attention, {}), (blocked.paged_attention, {}),
                    (portable.paged_attention, {"block_q": 4, "interpret": True}),
                    (tpu.paged_attention, {"block_q": 4, "interpret": True})):
         check(run(fn, case, **kw), case)
-    assert "float8_e4m3fn" in mgpu.supports(case.kv_dtype, case.pages.shape, case.kv_dtype, case.q.shape[1]).reason
+    assert "bfloat16 needed" in mgpu.supports(case.q.dtype, case.pages.shape, case.kv_dtype, case.q.shape[1]).reason
+
+
+@settings(max_examples=3, **SETTINGS)
+@given(cases(block_sizes=(16, 32), groups=(1, 2, 4, 8), head_sizes=(64, 128), dtypes=("bfloat16",),
+             kv_dtype="float8_e4m3fn"))
+def test_mosaic_gpu_kernel_reads_fp8_pages_through_bf16_tiles(case):
+    """fp8 pages under bf16 queries (interpret mode), whole and split over the context: the dense attention
+    over the rounded K/V, to bf16's tolerance; NaN in the pages' unreferenced slots never reaches the output."""
+    check(run(mgpu.paged_attention, case, interpret=True, splits=1), case)
+    check(run(mgpu.paged_attention, case, interpret=True, splits=2), case)
 
 
 def test_mosaic_gpu_splits_a_long_decode_and_its_window_over_runs():
@@ -222,7 +233,7 @@ def test_mosaic_gpu_reads_a_table_row_longer_than_one_copy_moves():
 def test_mosaic_gpu_refuses_shapes_it_cannot_take():
     q = jnp.zeros((4, 8, 64), jnp.float32)
     pages = jnp.zeros((3, 2, 2, 16, 64), jnp.float32)
-    with pytest.raises(ValueError, match="bf16/fp16"):
+    with pytest.raises(ValueError, match="bf16, fp16 or fp8 only"):
         mgpu.paged_attention(q, pages, jnp.zeros((1, 2), jnp.int32), jnp.array([0, 4]),
                              jnp.array([4]), AttentionParams())
     assert not mgpu.supports(jnp.bfloat16, (3, 2, 2, 8, 64), jnp.bfloat16, 8)  # page 8

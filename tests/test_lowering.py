@@ -135,6 +135,21 @@ def test_a_lone_decode_splits_its_context_over_the_h200s_sms_and_lowers():
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(4, 1, 256), (32, 8, 128)])  # Gemma 3 270M; a Llama-3.1-8B-like model
+def test_fp8_pages_lower_with_the_hopper_kernel(hq, hkv, d):
+    """On an H200 ``auto`` gives fp8 pages (bf16 queries) to the Mosaic GPU kernel, which lowers with its
+    fp8-to-bf16 tiles: a prefill batch (whole runs) and a lone decode (its context split)."""
+    pages = sd((N, 2, hkv, 16, d), jnp.float8_e4m3fn)
+    with use_abstract_mesh(H200):
+        assert kernels_pallas.choose("auto", pages.shape, pages.dtype, hq, MAX_BLOCKS) == "mosaic_gpu"
+    params = AttentionParams(sliding_window=128, soft_cap=30.0)
+    for tokens, seqs in ((T, S), (1, 1)):
+        args = (sd((tokens, hq, d), jnp.bfloat16), pages, sd((seqs, MAX_BLOCKS), jnp.int32), sd((seqs + 1,), jnp.int32),
+                sd((seqs,), jnp.int32))
+        text = lower_for(H200, lambda *a: kernels_pallas.paged_attention(*a, params), *args)
+        assert "mosaic_gpu" in text
+
+
 def test_supported_names_what_the_kernels_cannot_take():
     assert "head_size 96" in paged_attention_portable.supports((N, 2, 4, 16, 96), 8)
     assert "head_size 96" in kv_write_portable.supports((N, 2, 4, 16, 96))
