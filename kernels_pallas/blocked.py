@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import ragged
 from kernels_pallas.positions import query_positions
-from kernels_pallas.reference import AttentionParams, key_mask
+from kernels_pallas.reference import AttentionParams, as_bits, from_bits, key_mask
 
 PREFILL_BLOCK_Q = 16
 COLUMNS = 8  # block-table columns per iteration (fewest us per layer on XLA:CPU, 1 to 256 sequences)
@@ -79,10 +79,13 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array, 
     lo = jnp.min(jnp.where(b.n_rows > 0, b.k_lo // bs, max_blocks)) // c
     hi = -(-jnp.minimum(jnp.max(jnp.where(b.n_rows > 0, (b.p0 + b.n_rows + bs - 1) // bs, 0)), max_blocks) // c)
 
+    bits = as_bits(kv_pages)  # fp8 pages gathered as bytes (``reference.as_bits``)
+
     def visit(j, carry):
         m, l, acc = carry                                          # [I, bq, Hkv, G], same, [I, bq, Hkv, G, D]
-        pages = kv_pages[jax.lax.dynamic_slice_in_dim(tables, j * c, c, axis=1)]     # [I, c, 2, Hkv, bs, D]
-        pages = pages.astype(jnp.float32)  # keys of column ci, row r at ci * bs + r: s's last axis
+        cols = jax.lax.dynamic_slice_in_dim(tables, j * c, c, axis=1)
+        pages = from_bits(bits[cols], kv_pages.dtype).astype(jnp.float32)               # [I, c, 2, Hkv, bs, D]
+        # keys of column ci, row r at ci * bs + r: s's last axis
         s = jnp.einsum("ibkgd,icknd->ibkgcn", qg, pages[:, :, 0]).reshape(n, block_q, hkv, g, c * bs)
         if params.soft_cap is not None:
             s = params.soft_cap * jnp.tanh(s / params.soft_cap)

@@ -110,7 +110,7 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     num_tokens, hq, d = q.shape
     _, _, hkv, bs, _ = kv_pages.shape
     seq, q_pos, valid = query_positions(query_start_loc, seq_lens, num_tokens)
-    pages = kv_pages[block_tables[seq]]                       # [T, M, 2, Hkv, bs, D]
+    pages = from_bits(as_bits(kv_pages)[block_tables[seq]], kv_pages.dtype)  # [T, M, 2, Hkv, bs, D]
     pages = jnp.moveaxis(pages, 4, 2).reshape(num_tokens, -1, 2, hkv, d)  # [T, M*bs, 2, Hkv, D]
     k_pos = jnp.arange(pages.shape[1])[None, :]
     mask = key_mask(q_pos[:, None], k_pos, params) & valid[:, None] & (k_pos < seq_lens[seq][:, None])
@@ -128,6 +128,18 @@ def to_page_dtype(x: jax.Array, dtype) -> jax.Array:
     return x.astype(dtype)
 
 
+def as_bits(x: jax.Array) -> jax.Array:
+    """An fp8 array viewed as ``uint8`` (other dtypes as they are), for gathers and scatters over pages: XLA:CPU
+    has no fp8 gather or scatter and converts a whole fp8 operand, the pool, to f16 and back at every call."""
+    is_fp8 = x.dtype.itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating)
+    return jax.lax.bitcast_convert_type(x, jnp.uint8) if is_fp8 else x
+
+
+def from_bits(x: jax.Array, dtype) -> jax.Array:
+    """``as_bits``' inverse: ``x`` back in the pages' ``dtype``."""
+    return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
+
+
 @jax.jit
 def kv_write(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
     """Store ``k, v: [T, Hkv, D]`` at ``slots: i32[T]`` (``page * block_size + offset``; -1 skips)."""
@@ -135,4 +147,4 @@ def kv_write(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) 
     page = jnp.where(slots >= 0, slots // bs, n)  # out of range: dropped
     off = jnp.where(slots >= 0, slots % bs, 0)
     kv = to_page_dtype(jnp.stack([k, v], axis=1), kv_pages.dtype)  # [T, 2, Hkv, D]
-    return kv_pages.at[page, :, :, off].set(kv, mode="drop")
+    return from_bits(as_bits(kv_pages).at[page, :, :, off].set(as_bits(kv), mode="drop"), kv_pages.dtype)
