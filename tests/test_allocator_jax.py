@@ -10,6 +10,9 @@ from hkv_jax.allocator.pymodel import PyAllocator
 from hkv_jax.planner import plan
 from hkv_jax.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
+# One worker runs this module's tests in a row and keeps their compiled programs (docs/testing.md).
+pytestmark = pytest.mark.xdist_group("test_allocator_jax")
+
 LAYERS = [FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
           SlidingWindowSpec(name="s", num_kv_heads=1, head_size=8, sliding_window=8)]
 

@@ -5,6 +5,9 @@ import pytest
 
 from hkv_jax.cli import main
 
+# One worker runs this module's tests in a row and keeps their compiled programs (docs/testing.md).
+pytestmark = pytest.mark.xdist_group("test_cli")
+
 
 def test_plan_table(capsys):
     assert main(["plan", "gemma-3-27b", "--memory", "80GiB", "--policy", "vllm"]) == 0

@@ -10,6 +10,9 @@ from hkv_jax.allocator import ops
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.planner import plan
 
+# One worker runs this module's tests in a row and keeps their compiled programs (docs/testing.md).
+pytestmark = pytest.mark.xdist_group("test_decode_step")
+
 B, BS, T = 6, 4, 64
 MODELS = {**HYBRID_MODELS, **MIXED_MODELS}
 

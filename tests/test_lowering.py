@@ -30,6 +30,9 @@ from hkv_jax.spec import AttentionSpec
 from kernels_pallas import kv_write_portable, paged_attention_mgpu, paged_attention_portable, paged_attention_tpu
 from kernels_pallas.reference import AttentionParams
 
+# One worker runs this module's tests in a row and keeps their compiled programs (docs/testing.md).
+pytestmark = pytest.mark.xdist_group("test_lowering")
+
 H200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                                                  platform="gpu"))
 TPU = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5p", num_cores=None,

@@ -12,6 +12,9 @@ from hkv_jax.allocator.prefill import SORTED_HIT_LENGTHS, computes_shared_block
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.planner import plan
 
+# One worker runs this module's tests in a row and keeps their compiled programs (docs/testing.md).
+pytestmark = pytest.mark.xdist_group("test_prefill_batch")
+
 B, BS, T = 4, 4, 64
 add = jax.jit(ops.add_batch, static_argnums=0)
 sched = jax.jit(ops.schedule_batch, static_argnums=0)

@@ -9,6 +9,9 @@ from hypothesis import strategies as st
 
 from hkv_jax.allocator import prefix_cache
 
+# One worker runs this module's tests in a row and keeps their compiled programs (docs/testing.md).
+pytestmark = pytest.mark.xdist_group("test_prefix_cache")
+
 NB = 10
 KEYS = [np.array([k * 7919 % 13, k, 3 * k, 1], np.uint32) for k in range(6)]
 insert = jax.jit(prefix_cache.insert)

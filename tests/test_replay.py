@@ -10,6 +10,9 @@ from conftest import COMPARE, TRACES, load_trace, require_traces
 from hkv_jax.allocator.replay import run_trace
 from hkv_jax.cli import main
 
+# One worker runs this module's tests in a row and keeps their compiled programs (docs/testing.md).
+pytestmark = pytest.mark.xdist_group("test_replay")
+
 
 def test_there_are_traces():
     require_traces()
