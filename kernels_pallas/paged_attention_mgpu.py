@@ -56,7 +56,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas import ragged
 from kernels_pallas.paged_attention_portable import MASK_VALUE
-from kernels_pallas.reference import AttentionParams
+from kernels_pallas.reference import AttentionParams, is_fp8
 from kernels_pallas.support import YES, Support, no
 
 ROWS = 64  # query rows per warpgroup: the wgmma M dimension
@@ -73,13 +73,12 @@ MAX_TABLE_ROWS = 256
 _SEQ, _KEY_LO, _KEY_HI, META = range(4)
 
 
-FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def compute_dtype(kv_dtype):
     """The dtype the tensor cores multiply in over pages of ``kv_dtype``: its own for bf16/fp16, bf16 for fp8."""
-    return jnp.dtype(jnp.bfloat16) if jnp.dtype(kv_dtype) in FP8 else jnp.dtype(kv_dtype)
+    return jnp.dtype(jnp.bfloat16) if is_fp8(kv_dtype) else jnp.dtype(kv_dtype)
 
 
 def smem_bytes(head_size: int, max_blocks: int, kv_itemsize: int = 2) -> int:
@@ -98,7 +97,7 @@ def supports(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: in
     """Why this kernel cannot run the given shapes (``None`` when it can); ``max_blocks``: the
     block table's width (its row sits in shared memory)."""
     _, _, hkv, bs, d = kv_pages_shape
-    if jnp.dtype(kv_dtype) not in HALF + FP8:
+    if not (jnp.dtype(kv_dtype) in HALF or is_fp8(kv_dtype)):
         return no(f"KV dtype {jnp.dtype(kv_dtype).name} (bf16, fp16 or fp8 only)")
     if jnp.dtype(q_dtype) != compute_dtype(kv_dtype):
         return no(f"q dtype {jnp.dtype(q_dtype).name} over {jnp.dtype(kv_dtype).name} pages "
@@ -363,7 +362,7 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     in_kernel_sinks = sinks is not None and splits == 1
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     chunk = math.gcd(bs, KEYS)
-    fp8 = kv_pages.dtype in FP8
+    fp8 = is_fp8(kv_pages.dtype)
     # fp8 tiles are only read into registers: plain rows; the wgmma operands are tiled and swizzled.
     kv_tile = plgpu.SMEM((2, KEYS, d), kv_pages.dtype, **({} if fp8 else {"transforms": tiled}))
     half = [plgpu.SMEM((KEYS, d), q.dtype, transforms=tiled)] * 2 if fp8 else []

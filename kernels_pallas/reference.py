@@ -117,12 +117,17 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     return grouped_attention(q, pages[:, :, 0], pages[:, :, 1], mask, params, sinks).astype(q.dtype)
 
 
+def is_fp8(dtype) -> bool:
+    """Whether ``dtype`` is a one-byte float (fp8 pages: e4m3, e5m2)."""
+    dtype = jnp.dtype(dtype)
+    return dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
 def to_page_dtype(x: jax.Array, dtype) -> jax.Array:
     """``x`` cast to a KV page dtype. fp8 saturates: a value past the format's largest finite one (448 in
     e4m3, where the plain cast gives NaN; 57,344 in e5m2, where it gives inf) is stored as that value, so
     one large K/V entry cannot poison every later score of its page."""
-    dtype = jnp.dtype(dtype)
-    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+    if is_fp8(dtype):
         big = float(jnp.finfo(dtype).max)
         x = jnp.clip(x, -big, big)
     return x.astype(dtype)
@@ -131,8 +136,7 @@ def to_page_dtype(x: jax.Array, dtype) -> jax.Array:
 def as_bits(x: jax.Array) -> jax.Array:
     """An fp8 array viewed as ``uint8`` (other dtypes as they are), for gathers and scatters over pages: XLA:CPU
     has no fp8 gather or scatter and converts a whole fp8 operand, the pool, to f16 and back at every call."""
-    is_fp8 = x.dtype.itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating)
-    return jax.lax.bitcast_convert_type(x, jnp.uint8) if is_fp8 else x
+    return jax.lax.bitcast_convert_type(x, jnp.uint8) if is_fp8(x.dtype) else x
 
 
 def from_bits(x: jax.Array, dtype) -> jax.Array:

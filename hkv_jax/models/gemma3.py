@@ -29,6 +29,7 @@ from hkv_jax.models.hf_config import layers_from_hf_config, text_config
 from hkv_jax.models.layers import RMSNorm, capped, dense_attention, rope
 from hkv_jax.models.quant import two_rows_at_least
 from hkv_jax.spec import LayerSpec
+from kernels_pallas.reference import is_fp8
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ class Attention(nnx.Module):
         # Over bfloat16/float32 pages the attention runs in the pages' dtype; over fp8 pages in the model's:
         # the KV write rounds K/V (saturating), the kernels read the pages up to the queries' dtype, and the
         # queries and the output are not rounded.
-        dt = x.dtype if dt.itemsize == 1 else dt
+        dt = x.dtype if is_fp8(dt) else dt
         out, cache = attention(self.name, q.astype(dt), k.astype(dt), v.astype(dt), cache, metadata,
                                sm_scale=self.scale, soft_cap=self.cfg.attn_soft_cap, impl=impl)
         return self.o_proj(out.astype(x.dtype).reshape(x.shape[0], -1)), cache
