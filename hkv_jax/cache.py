@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from hkv_jax.planner import KVCacheConfig
 from hkv_jax.spec import AttentionSpec, MambaSpec, dtype_bytes
+from kernels_pallas.reference import is_fp8
 
 # Storage word per page: the widest of these that divides the page size.
 _WORDS = ((4, jnp.uint32), (2, jnp.uint16), (1, jnp.uint8))
@@ -74,14 +75,16 @@ class CacheLayout:
     num_tensors: int
     slots: tuple[tuple[str, LayerSlot], ...]
     shards: tuple[int, ...] = ()  # per shared tensor: parts of a page, one per model-axis device (1: replicated)
+    fp8_bytes: bool = False  # fp8 pages held in uint8 words (``word_dtype`` says why)
 
     @classmethod
-    def from_config(cls, config: KVCacheConfig, model_shards: int = 1) -> "CacheLayout":
+    def from_config(cls, config: KVCacheConfig, model_shards: int = 1, fp8_bytes: bool = False) -> "CacheLayout":
         """The layout the planner's ``config`` describes (KV-sharing layers point at their target's slot).
 
         ``model_shards``: the size of the mesh's ``model`` axis. A shared tensor is split by KV head when
         every layer in it is an attention layer whose KV heads divide into ``model_shards`` and the page
         splits into equal whole words; otherwise it is replicated (e.g. one KV head, or a Mamba state).
+        ``fp8_bytes``: hold fp8 pages in ``uint8`` words (``init_cache`` does on XLA:CPU).
         """
         if not isinstance(model_shards, int) or model_shards < 1:
             raise ValueError(f"model_shards must be a positive integer, got {model_shards!r}")
@@ -93,7 +96,8 @@ class CacheLayout:
                                         g.layers_per_slot, part)
         for name, target in config.kv_sharing:
             slots[name] = slots[target]
-        layout = cls(config.num_blocks, config.page_size_bytes, config.group_size, tuple(slots.items()))
+        layout = cls(config.num_blocks, config.page_size_bytes, config.group_size, tuple(slots.items()),
+                     fp8_bytes=fp8_bytes)
         part = model_shards * layout.word_bytes  # a part of a page is whole words
 
         def splits(t: int) -> bool:  # not a tensor of shared slots: a page's parts are its layers, not heads
@@ -126,10 +130,17 @@ class CacheLayout:
 
         Why the KV dtype: a layer's page view of such a buffer is a reshape, while a ``bitcast_convert``
         between word and KV dtype is a copy of the whole buffer on XLA:CPU (about a third of a Gemma 3
-        270M decode step went to six of them)."""
+        270M decode step went to six of them).
+
+        Except fp8 pages with ``fp8_bytes``: XLA:CPU has no fp8 gather or scatter, so its kernels gather and
+        scatter fp8 pages as bytes (``kernels_pallas.reference.as_bits``). Over ``uint8`` words XLA folds
+        the page view's bitcast into theirs; over fp8 words each layer's view became a copy of its pages, in
+        each layer of each step (about a third of a Gemma 3 270M decode step with fp8 pages). The GPU and
+        TPU kernels read the fp8 words themselves."""
         kv = {jnp.dtype(s.spec.dtype) for _, s in self.slots if s.spec.paged_kv}
         if len(kv) == 1 and self.page_size_bytes % next(iter(kv)).itemsize == 0:
-            return next(iter(kv))
+            dtype = next(iter(kv))
+            return jnp.dtype(jnp.uint8) if self.fp8_bytes and is_fp8(dtype) else dtype
         return jnp.dtype(next(w for b, w in _WORDS if self.page_size_bytes % b == 0))
 
     @property
@@ -173,7 +184,9 @@ def init_cache(config: KVCacheConfig, mesh: jax.sharding.Mesh | None = None) -> 
     With a ``mesh`` (axes ``model`` and optionally ``data``), tensors whose KV heads divide the ``model``
     axis are split by KV head over it (see ``CacheLayout.from_config``), the others replicated.
     """
-    layout = CacheLayout.from_config(config, model_shards=1 if mesh is None else mesh_model_size(mesh))
+    platform = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform
+    layout = CacheLayout.from_config(config, model_shards=1 if mesh is None else mesh_model_size(mesh),
+                                     fp8_bytes=platform == "cpu")
     shape = (layout.num_blocks, layout.page_words)
     devices = [None] * layout.num_tensors if mesh is None else cache_shardings(layout, mesh)
     return KVCache(tuple(jnp.zeros(shape, layout.word_dtype, device=d) for d in devices), layout)

@@ -9,7 +9,16 @@ import pytest
 from conftest import dense_attention
 
 from hkv_jax.attention import attention, make_metadata
-from hkv_jax.cache import KVCache, init_cache, layer_kv, read_mamba_state, set_layer_kv, slot_mapping, write_mamba_state
+from hkv_jax.cache import (
+    CacheLayout,
+    KVCache,
+    init_cache,
+    layer_kv,
+    read_mamba_state,
+    set_layer_kv,
+    slot_mapping,
+    write_mamba_state,
+)
 from hkv_jax.planner import KVCacheConfig, KVCacheGroup, plan
 from hkv_jax.spec import FullAttentionSpec, KVSharingSpec, MambaSpec, SlidingWindowSpec
 from kernels_pallas import reference
@@ -153,6 +162,32 @@ def test_buffers_hold_the_kv_dtype_so_a_layer_write_copies_no_buffer():
     out, cache = step(cache, meta)
     np.testing.assert_allclose(np.asarray(out, np.float32), 1.0)  # every value is 1: so is their average
     np.testing.assert_array_equal(np.asarray(layer_kv(cache, "f")[1:3], np.float32).sum(), 2 * 2 * 5 * 8)
+
+
+def test_fp8_pages_are_bytes_on_cpu_so_a_layer_write_copies_no_buffer():
+    """fp8 pages are gathered and scattered as bytes on XLA:CPU (no fp8 gather or scatter there): the buffers
+    hold uint8 words, whose fp8 page view XLA folds into those byte views, so the compiled write-and-attend
+    converts no buffer (over fp8 words, each layer's view was a copy of its pages in every layer of every
+    step). Written values read back rounded to e4m3, and a layout built off the CPU keeps fp8 words."""
+    layers = [FullAttentionSpec(name="f", num_kv_heads=2, head_size=8, dtype="float8_e4m3fn"),
+              SlidingWindowSpec(name="s", num_kv_heads=2, head_size=8, dtype="float8_e4m3fn", sliding_window=6)]
+    config = plan(layers, block_size=BS, num_blocks=8)
+    assert CacheLayout.from_config(config).word_dtype == jnp.float8_e4m3fn
+    cache = init_cache(config)
+    assert cache.layout.fp8_bytes and all(b.dtype == jnp.uint8 for b in cache.buffers)
+    tables = [jnp.array([[1, 2]]), jnp.array([[3, 4]])]
+    meta = make_metadata(cache, tables, jnp.array([0, 5]), jnp.array([5]), num_tokens=5)
+    kv = jnp.full((5, 2, 8), 1.3, jnp.float32)  # e4m3 holds 1.25 and 1.375: 1.3 rounds to 1.25
+    for impl in ("reference", "blocked"):
+        step = jax.jit(lambda c, m: attention("f", jnp.ones((5, 4, 8), jnp.float32), kv, kv, c, m, impl=impl),
+                       donate_argnums=0)
+        hlo = step.lower(cache, meta).compile().as_text()
+        converts = [line for line in hlo.splitlines() if "bitcast-convert(" in line and "[8," in line]
+        assert not converts, (impl, converts)
+        out, cache = step(cache, meta)
+        np.testing.assert_allclose(np.asarray(out), 1.25)
+    assert layer_kv(cache, "f").dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(layer_kv(cache, "f")[1:3], np.float32).sum(), 1.25 * 2 * 2 * 5 * 8)
 
 
 def test_attention_writes_and_attends_like_dense_attention():
