@@ -30,7 +30,9 @@ def serve(mesh, new_tokens: int) -> list[list[int]]:
     """Four requests sharing a prefix, served under ``mesh`` (``None``: one device); their tokens."""
     config = {**resolve_model("tiny-gptoss")[1], "num_attention_heads": 8, "num_key_value_heads": 4}
     engine = Engine(TinyLM(TinyConfig.from_hf(config), nnx.Rngs(0)),
-                    EngineConfig(num_blocks=64, block_size=8, max_requests=4, max_model_len=96, token_budget=32),
+                    # one token bucket: the step compiles once per mesh (docs/sharding.md's snippet: the same sizes)
+                    EngineConfig(num_blocks=64, block_size=8, max_requests=4, max_model_len=96, token_budget=32,
+                                 token_buckets=(32,)),
                     mesh=mesh)
     rng = np.random.default_rng(0)
     system = rng.integers(0, 256, 24).tolist()
