@@ -58,9 +58,12 @@ def cacheable_tokens(layout: Layout, tokens):
     return tokens // layout.scheduler_block_size * layout.scheduler_block_size
 
 
-def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: jax.Array | None = None):
+def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: jax.Array | None = None,
+           found: jax.Array | None = None):
     """Longest prefix-cache hit of the waiting request in ``slot``; ``key_slots: i32[G, H]``, optional:
-    the cache entry ids of its keys (``prefix_cache.row_entries``), when the caller already looked them up.
+    the cache entry ids of its keys (``prefix_cache.row_entries``), when the caller already looked them up;
+    ``found: i32[G, H]``, optional: instead of them, a positive id per group and hash index where some
+    cache holds the block (the host tier looks up device and host blocks together, ``host_tier.py``).
 
     Returns (hit blocks ``i32[G, H]`` (entries past the hit are 0), hit tokens,
     shared-prefix boundary: a longer prefix some group alone could serve, or 0).
@@ -69,11 +72,13 @@ def lookup(layout: Layout, state: AllocatorState, slot: jax.Array, key_slots: ja
     hashes = state.hashes[slot]  # u32[H, 4]
     H = hashes.shape[0]
     valid = jnp.arange(H) < state.num_tokens[slot] // layout.hash_block_size
-    if key_slots is None:  # one probe per hash: its slot holds every group's entry
-        key_slots = prefix_cache.row_entries(
-            state.block_pool.prefix_cache, prefix_cache.find_slots(state.block_pool.prefix_cache, hashes)
-        ).T
-    found = jnp.where(valid[None, :], prefix_cache.block_at(state.block_pool.prefix_cache, key_slots), 0)
+    if found is None:
+        if key_slots is None:  # one probe per hash: its slot holds every group's entry
+            key_slots = prefix_cache.row_entries(
+                state.block_pool.prefix_cache, prefix_cache.find_slots(state.block_pool.prefix_cache, hashes)
+            ).T
+        found = prefix_cache.block_at(state.block_pool.prefix_cache, key_slots)
+    found = jnp.where(valid[None, :], found, 0)
     found = group_blocks(layout, found)  # [G, H]: by each group's block index
     sgs = [(layout.groups[sg[0]].spec, list(sg)) for sg in layout.spec_groups]
     all_found = [jnp.all(found[jnp.array(sg)] > 0, axis=0) for _, sg in sgs]

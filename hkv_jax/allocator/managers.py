@@ -59,6 +59,12 @@ class FullAttentionManager:
         scheduling unit)."""
         return np.ones(n, bool)
 
+    @classmethod
+    def host_reachable(cls, spec, bs: int, segment: int, n: int) -> np.ndarray:
+        """``bool[n]``: which of the first ``n`` blocks a hit ending on a multiple of ``segment`` blocks
+        (the host tier's unit) needs: what the host tier keeps as blocks are computed (``host_tier.py``)."""
+        return cls.reachable(spec, bs, segment, n)
+
     @staticmethod
     def hit_start(spec, bs: int, max_len: jax.Array) -> jax.Array | int:
         """The first block a hit within ``max_len`` tokens needs."""
@@ -105,6 +111,12 @@ class ChunkedLocalManager(FullAttentionManager):
     def hit_start(spec, bs, max_len):
         return jnp.where(max_len > 0, max_len // spec.attention_chunk_size * spec.attention_chunk_size // bs, 0)
 
+    @staticmethod
+    def host_reachable(spec, bs, segment, n):
+        # The blocks of the chunk that holds the end of their segment.
+        i, chunk = np.arange(n), spec.attention_chunk_size
+        return i * bs >= (i // segment + 1) * segment * bs // chunk * chunk
+
 
 class SlidingWindowManager(FullAttentionManager):
     """Sliding-window attention: blocks out of the window go; a hit needs only the window's blocks before
@@ -142,6 +154,10 @@ class MambaManager(FullAttentionManager):
     @staticmethod
     def skipped_tokens(spec, num_computed):
         return num_computed - 1
+
+    @staticmethod
+    def host_reachable(spec, bs, segment, n):
+        return np.arange(n) % segment == segment - 1  # the state at each segment's end
 
     @classmethod
     def hit_blocks(cls, spec, bs, unit, found, all_found, max_len):

@@ -185,6 +185,12 @@ class Layout:
         spec, bs = self.groups[g].spec, self.block_sizes[g]
         return manager(spec).reachable(spec, bs, self.scheduler_block_size // bs, n)
 
+    def host_reachable(self, g: int, n: int, unit: int) -> np.ndarray:
+        """``bool[n]``: which of group ``g``'s first ``n`` blocks a hit ending on a multiple of ``unit`` tokens
+        (the host tier's unit, a multiple of the scheduling unit) needs (its manager says)."""
+        spec, bs = self.groups[g].spec, self.block_sizes[g]
+        return manager(spec).host_reachable(spec, bs, unit // bs, n)
+
     def config_tables(self, tables):
         """Per-KV-cache-group tables ``[..., M * k]`` from ``tables: [..., G, M]`` (numpy or jax).
 

@@ -42,6 +42,14 @@ class EngineConfig:
     ``kv_cache_dtype``: the attention layers' KV cache dtype, by vLLM's names (``"fp8"``: e4m3 pages, scale 1;
     ``"bfloat16"``, ``"float32"`` ...; ``"auto"``: the model's); Mamba states keep theirs.
 
+    ``host_cache_bytes``: bytes of host memory (CPU RAM) for the host tier behind the prefix cache
+    (``hkv_jax.allocator.host_tier``; 0: none): blocks the device cache enters are copied down in the step
+    that computes them, and a waiting request's hit takes blocks from either. ``Engine`` refuses a size
+    over the free host memory or under one block of every group. ``host_cache_unit``: the host unit in
+    tokens (0: ``host_tier.default_unit``, 8 of the longest sliding windows or chunks): as blocks are
+    computed, the tier keeps what a hit ending on its multiples needs, and a released request's last
+    window or state besides.
+
     ``speculative``: speculative decoding (``NgramSpec``, or ``DraftModelSpec``: a draft model proposes):
     each decoding request drafts up to ``k`` tokens
     in the step and verifies them in the same program; its tokens equal those it decodes without (for a
@@ -66,6 +74,8 @@ class EngineConfig:
     max_top_logprobs: int = 0
     max_logit_bias: int = 0
     kv_cache_dtype: str = "auto"
+    host_cache_bytes: int = 0
+    host_cache_unit: int = 0
     speculative: NgramSpec | DraftModelSpec | None = None
 
     def __post_init__(self):
@@ -79,6 +89,9 @@ class EngineConfig:
         for name in ("max_top_logprobs", "max_logit_bias"):
             if not is_integer(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer in [0, vocab_size], got {getattr(self, name)!r}")
+        for name in ("host_cache_bytes", "host_cache_unit"):
+            if not is_integer(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         spec = self.speculative

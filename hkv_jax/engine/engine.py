@@ -16,6 +16,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from hkv_jax.allocator.host_tier import host_tier_blocks, host_usage
 from hkv_jax.allocator.state import Layout
 from hkv_jax.attention import check_kernel
 from hkv_jax.engine import checkpoint
@@ -25,7 +26,7 @@ from hkv_jax.engine.request import Request, RequestsView
 from hkv_jax.engine.runner import ModelRunner
 from hkv_jax.engine.sampling_params import ENGINE_DEFAULTS, KNOB, EngineDefault, SamplingParams, is_integer
 from hkv_jax.engine.scheduler import NO_TOKENS, Scheduler
-from hkv_jax.engine.stats import KVUsage, Stats
+from hkv_jax.engine.stats import HostUsage, KVUsage, Stats
 from hkv_jax.engine.step import EngineState
 from hkv_jax.models.hf_config import with_kv_cache_dtype
 from hkv_jax.models.protocol import PagedModel
@@ -66,6 +67,9 @@ class Engine:
                                          max_requests=config.max_requests,
                                          window_aware_eviction=config.window_aware_eviction)
         check_kernel(self.kv_cache_config, config.impl, self.layout.max_blocks)
+        if config.host_cache_bytes and mesh is not None:
+            raise ValueError("host_cache_bytes: the host tier serves a single-device engine, not one on a mesh")
+        host_blocks = host_tier_blocks(config.host_cache_bytes, self.block_bytes, self.layout.num_groups)
         draft = getattr(config.speculative, "model", None)
         if draft is not None and draft.cfg.vocab_size != vocab:
             raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size} tokens) is not the target's "
@@ -75,7 +79,8 @@ class Engine:
                                   seed=config.seed, vectorised=config.vectorised, decode_steps=config.decode_steps,
                                   max_call_seconds=config.max_call_seconds,
                                   max_top_logprobs=config.max_top_logprobs, max_logit_bias=config.max_logit_bias,
-                                  mesh=mesh, stats=self.stats, speculative=config.speculative)
+                                  mesh=mesh, stats=self.stats, speculative=config.speculative,
+                                  host_blocks=host_blocks, host_unit=config.host_cache_unit)
         # With Mamba layers, prefill chunks end on the Mamba groups' block boundaries (the planner may have
         # raised their block size above config.block_size), where a state is kept.
         mamba = self.layout.mamba_groups
@@ -257,6 +262,20 @@ class Engine:
         """The KV pool's blocks (the null block left out) and free ones, and the requests running and waiting."""
         free = int(self.runner.state.alloc.block_pool.free_queue.num_free)
         return KVUsage(self.config.num_blocks - 1, free, len(self.scheduler.running), len(self.scheduler.waiting))
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: a page of every shared tensor (a group's block, in the pool or the host tier)."""
+        return self.kv_cache_config.page_size_bytes * self.kv_cache_config.group_size
+
+    def host_usage(self) -> HostUsage | None:
+        """What the host tier holds and has moved (read back from the device), ``None`` without one."""
+        host = self.runner.state.host
+        if host is None:
+            return None
+        u = host_usage(self.layout, host)
+        return HostUsage(u["blocks"], u["cached_per_group"], self.block_bytes, u["hit_tokens"], u["blocks_down"],
+                         u["blocks_up"])
 
     def reset_stats(self) -> None:
         """Start the counters (``stats``) from zero."""

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from hkv_jax.allocator import ops
+from hkv_jax.allocator.host_tier import host_memory_kind, init_host_tier
 from hkv_jax.allocator.state import Layout, init_state
 from hkv_jax.cache import init_cache, mesh_model_size
 from hkv_jax.engine.changes import Changes, prompt_buffer, prompt_buffers
@@ -26,7 +27,7 @@ from hkv_jax.engine.scheduler import SchedulerOutput
 from hkv_jax.engine.score import prompt_logprobs
 from hkv_jax.engine.speculative import DraftModelSpec, DraftModelStatic
 from hkv_jax.engine.stats import Stats
-from hkv_jax.engine.step import EngineState, StepStatic, decode_steps, prepare, step
+from hkv_jax.engine.step import EngineState, StepStatic, decode_steps, prepare, release_to_host, step
 from hkv_jax.engine.step_messages import SAMPLING, StepPlan, StepReport
 from hkv_jax.models.protocol import ScoringModel
 from hkv_jax.sharding import param_shardings, replicated
@@ -35,6 +36,7 @@ from hkv_jax.sharding import param_shardings, replicated
 STEP = jax.jit(step, static_argnums=0, donate_argnums=2)
 DECODE_STEPS = jax.jit(decode_steps, static_argnums=(0, 1), donate_argnums=3)
 PREPARE = jax.jit(prepare, static_argnums=(0, 3), donate_argnums=1)
+RELEASE_TO_HOST = jax.jit(release_to_host, static_argnums=0, donate_argnums=3)
 FORK = jax.jit(ops.fork, static_argnums=0, donate_argnums=1)
 PROMPT_LOGPROBS = jax.jit(prompt_logprobs, static_argnums=(0, 1, 2))
 
@@ -56,7 +58,8 @@ class ModelRunner:
 
     def __init__(self, model, kv_cache_config, layout: Layout, *, buckets: list[int], impl: str, seed: int,
                  vectorised: bool, decode_steps: int, max_call_seconds: float | None, max_top_logprobs: int,
-                 max_logit_bias: int, mesh: jax.sharding.Mesh | None, stats: Stats, speculative=None):
+                 max_logit_bias: int, mesh: jax.sharding.Mesh | None, stats: Stats, speculative=None,
+                 host_blocks: int = 0, host_unit: int = 0):
         if mesh is not None:
             mesh_model_size(mesh)  # checks the axis names
         self.layout, self.mesh, self.stats = layout, mesh, stats
@@ -93,7 +96,11 @@ class ModelRunner:
             self._speculative = [replace(s, speculative=speculative) for s in self.statics]
         alloc, key = jax.device_put((init_state(layout), engine_key(seed)), self.placement)
         cache = init_cache(kv_cache_config, mesh)
-        self.state = EngineState(alloc, cache if mesh is not None else jax.device_put(cache, self.placement), key)
+        cache = cache if mesh is not None else jax.device_put(cache, self.placement)
+        host = None
+        if host_blocks:
+            host = init_host_tier(layout, cache.buffers, host_blocks, max(buckets), host_memory_kind(), host_unit)
+        self.state = EngineState(alloc, cache, key, host)
         self._sent: tuple[np.ndarray, StepPlan] | None = None  # the last plan sent: its host data, device copy
         self._packed: tuple[DecodeBatch, tuple, StepPlan] | None = None  # a decode-only record's plan
         self.last_output = None  # the last step's StepOutput, on the device
@@ -150,7 +157,12 @@ class ModelRunner:
     # --- programs ---------------------------------------------------------------------------
 
     def prepare(self, changes: Changes) -> None:
-        """Release and admit what ``changes`` says."""
+        """Release and admit what ``changes`` says (with a host tier, what the released requests' hits need
+        goes down first)."""
+        host = self.state.host
+        if host is not None and (changes.free.any() or changes.preempt.any()):
+            host = RELEASE_TO_HOST(self.layout, self.state.alloc, self.state.cache, host, changes)
+            self.state = replace(self.state, host=host)
         with self.on_mesh():
             alloc = PREPARE(self.layout, self.state.alloc, changes, self.vectorised)
         self.state = replace(self.state, alloc=alloc)
@@ -210,12 +222,12 @@ class ModelRunner:
         full = self.statics if drafts is None else self._speculative
         for static in ([self._lean[bucket]] if lean else []) + [full[bucket]]:
             if static.lean:  # it reads and writes neither the block pool nor the prefix cache: not passed
-                kept = self.state.alloc
-                part = replace(self.state, alloc=replace(kept, block_pool=None, step_cached=None))
+                kept, host = self.state.alloc, self.state.host
+                part = replace(self.state, alloc=replace(kept, block_pool=None, step_cached=None), host=None)
                 with self.on_mesh():
                     part, out = STEP(static, self.params, part, self._send(plan))
                 self.state = replace(part, alloc=replace(part.alloc, block_pool=kept.block_pool,
-                                                         step_cached=kept.step_cached))
+                                                         step_cached=kept.step_cached), host=host)
             else:
                 params = self.params if static.speculative is None else self._spec_params
                 with self.on_mesh():

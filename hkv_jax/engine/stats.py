@@ -53,3 +53,34 @@ class KVUsage:
     def usage(self) -> float:
         """The fraction of the pool's blocks that requests hold (prefix-cached free blocks count as free)."""
         return 1 - self.free_blocks / self.num_blocks
+
+
+@dataclass(frozen=True)
+class HostUsage:
+    """A read-only view of the host tier (``Engine.host_usage``): its blocks, those cached per KV cache
+    group, and what it served and moved since the engine started."""
+
+    num_blocks: int               # host blocks
+    cached_per_group: list[int]   # host blocks cached per allocator group
+    block_bytes: int              # bytes of a block (a page of every shared tensor)
+    hit_tokens: int               # prompt tokens whose hit needed blocks from the host
+    blocks_down: int              # blocks copied device -> host
+    blocks_up: int                # blocks copied host -> device
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of the host tier's blocks."""
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the blocks it holds."""
+        return sum(self.cached_per_group) * self.block_bytes
+
+    @property
+    def bytes_down(self) -> int:
+        return self.blocks_down * self.block_bytes
+
+    @property
+    def bytes_up(self) -> int:
+        return self.blocks_up * self.block_bytes

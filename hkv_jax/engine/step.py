@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hkv_jax.allocator import ops
+from hkv_jax.allocator import host_tier, ops
 from hkv_jax.allocator.decode import DecodePath
 from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout, hash_once
 from hkv_jax.attention import make_metadata
@@ -62,11 +62,13 @@ jax.tree_util.register_dataclass(Changes, data_fields=[f.name for f in fields(Ch
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class EngineState:
-    """Everything on the device: allocator, KV memory and the sampling key."""
+    """Everything the step reads and writes: allocator, KV memory, sampling key and the host tier
+    (``host_tier.HostTier`` in host memory; ``None`` without one)."""
 
     alloc: AllocatorState
     cache: KVCache
     key: jax.Array
+    host: host_tier.HostTier | None = None
 
 
 @dataclass(frozen=True)
@@ -371,22 +373,57 @@ def _report(static: StepStatic, alloc: AllocatorState, b: _Batch, ok, hit, do_sa
     return report
 
 
+def _restore(static: StepStatic, state: EngineState, slot_of, want) -> EngineState:
+    """The host tier's hits for the plan's waiting requests, before the allocator runs: their blocks are
+    entered in the device prefix cache and their pages copied up (``host_tier.restore``)."""
+    alloc, host, up = host_tier.restore(static.layout, state.alloc, state.host, slot_of, want > 0)
+    buffers = host_tier.copy_pages(host.buffers, state.cache.buffers, up, host.memory_kind, to_host=False)
+    return replace(state, alloc=alloc, cache=replace(state.cache, buffers=buffers), host=host)
+
+
+def _cached(alloc: AllocatorState) -> tuple[jax.Array, ...]:
+    """What ``host_tier.computed_blocks`` compares against at the step's end: ``num_cached``, the prefix
+    cache's ``block_slot``, ``num_tokens`` and ``num_computed`` now."""
+    return alloc.num_cached, alloc.block_pool.prefix_cache.block_slot, alloc.num_tokens, alloc.num_computed
+
+
+def _store(layout: Layout, blocks, alloc: AllocatorState, cache: KVCache, host: host_tier.HostTier):
+    """Device blocks ``blocks`` (``host_tier.store``), their pages copied down to the host tier."""
+    host, down = host_tier.store(layout, blocks, alloc, host)
+    return replace(host, buffers=host_tier.copy_pages(cache.buffers, host.buffers, down, host.memory_kind,
+                                                      to_host=True))
+
+
+def release_to_host(layout: Layout, alloc: AllocatorState, cache: KVCache, host: host_tier.HostTier,
+                    changes: Changes) -> host_tier.HostTier:
+    """Before ``prepare`` releases the requests ``changes`` frees or preempts: the blocks a hit ending where
+    their cached prefix ends needs go down to the host tier (``host_tier.released_blocks``; jit with
+    ``layout`` static and ``host`` donated)."""
+    blocks = host_tier.released_blocks(layout, host, alloc, changes.free | changes.preempt)
+    return _store(layout, blocks, alloc, cache, host)
+
+
 def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, plan: StepPlan, alloc, ok, n, hit,
-             draft=None):
+             draft=None, before=None):
     """The rest of a step once the allocator ran (``alloc`` and its lanes' ``ok, n, hit``), in its stages:
     inputs, forward, logits processors and sampler, token commit, report: ``(state, StepOutput)``.
     ``draft``: a speculative step's drafts (``_propose``), whose slots the allocator held: each entry also
     computes them, is sampled after its last known token and after each of them, and emits the sampled
-    tokens up to the first that differs from the draft."""
+    tokens up to the first that differs from the draft. With a host tier, the blocks the step computed
+    (``host_tier.computed_blocks`` from ``before``: ``_cached`` at the step's start) go down at the end."""
     alloc, b = _inputs(static, state, plan, alloc, ok, n, draft)
     model, logits, cache = _forward(static, params, state, b)
     new_tokens, do_sample, key = _sample(static, state, plan, alloc, b, ok, logits)
     alloc, cache, emitted = _commit(static, alloc, cache, model, b, new_tokens, do_sample, draft)
     report = _report(static, alloc, b, ok, hit, do_sample, emitted, new_tokens, logits)
+    host = state.host
+    if host is not None and before is not None:
+        host = _store(static.layout, host_tier.computed_blocks(static.layout, host, before, alloc), alloc, cache,
+                      host)
     if draft is None:
-        return EngineState(alloc, cache, key), StepOutput(report=report[0], logits=logits)
+        return EngineState(alloc, cache, key, host), StepOutput(report=report[0], logits=logits)
     R = b.slot_of.shape[0]
-    return EngineState(alloc, cache, key), StepOutput(report=report, logits=logits.reshape(R, b.P, -1))
+    return EngineState(alloc, cache, key, host), StepOutput(report=report, logits=logits.reshape(R, b.P, -1))
 
 
 def step(static: StepStatic, params: list[jax.Array], state: EngineState, plan: StepPlan):
@@ -396,8 +433,12 @@ def step(static: StepStatic, params: list[jax.Array], state: EngineState, plan: 
     slot_of = jnp.maximum(plan.slots, 0)
     params, draft_params = params[:static.params_def.num_leaves], params[static.params_def.num_leaves:]
     draft = None if static.speculative is None else _propose(static, draft_params, state.alloc, plan, slot_of)
+    before = None
+    if state.host is not None and not static.lean:  # a lean step caches nothing, so no block moves
+        state = _restore(static, state, slot_of, plan.want)
+        before = _cached(state.alloc)
     alloc, ok, n, hit = _allocate(static, state.alloc, slot_of, plan.want, None if draft is None else draft[1])
-    return _compute(static, params, state, plan, alloc, ok, n, hit, draft)
+    return _compute(static, params, state, plan, alloc, ok, n, hit, draft, before)
 
 
 def decode_steps(static: StepStatic, steps: int, params: list[jax.Array], state: EngineState, plan: StepPlan,
@@ -424,7 +465,8 @@ def decode_steps(static: StepStatic, steps: int, params: list[jax.Array], state:
         ran = path != DecodePath.FALLBACK  # the fallback's steps: this one does not run (decode_step applied nothing)
 
         def run():
-            return _compute(static, params, state, plan, alloc, ok, ok.astype(jnp.int32), jnp.zeros_like(slot_of))
+            return _compute(static, params, state, plan, alloc, ok, ok.astype(jnp.int32), jnp.zeros_like(slot_of),
+                            before=_cached(state.alloc))
 
         # The skipped step returns ``alloc`` too (unchanged but for ``new_step``, which the full step
         # repeats): the state before it is then dead, and XLA updates the pool and cache in place.

@@ -1,0 +1,372 @@
+"""The host tier: a second block pool in host memory behind the device prefix cache.
+
+It holds copies of cached blocks, keyed as the device prefix cache keys them ((block hash, group)), in a
+pool of its own: a ``BlockPool`` whose free queue is its LRU order (no request ever holds a host block, so
+every host block is free; a store takes the queue's head, evicting that block's entry, and a hit moves
+the blocks it used to the back). Which blocks go down is the device cache's own rule: every block the
+device prefix cache enters goes down once its KV is computed (write-through, in the step that computes
+it), and the device cache enters only blocks a later hit can use (``Layout.reachable``: a full-attention
+group every block, a sliding-window group the window before each scheduling-unit boundary, a Mamba group
+the state at each boundary). So a hybrid model's host bytes per token are what its groups keep, never
+every group's block for every token.
+
+A step runs the two halves around the model's forward, each as one gather and one scatter of pages:
+
+- ``restore`` (before the schedule): for each waiting request, the longest hit over device and host blocks
+  together by every type's hit rule (``coordinator.lookup``); the blocks only the host holds get new device
+  blocks, entered in the device prefix cache as free cached blocks at the back of the free queue, so the
+  schedule that follows finds them as ordinary device hits. Their pages are copied up before the forward.
+- ``store`` (after the step's tokens are committed): every block the device cache entered in the step and
+  the host does not hold takes a host block; its pages are copied down.
+
+Writing through rather than at device eviction keeps the copy out of the allocator's eviction paths (a
+block popped in a step is overwritten by the same step's forward) at the cost of copying down blocks that
+are never evicted: one page per cached block, the bytes the prefill just wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hkv_jax.allocator import block_pool, prefix_cache
+from hkv_jax.allocator.coordinator import cacheable_tokens, group_hashes, lookup
+from hkv_jax.allocator.managers import hit_blocks
+from hkv_jax.allocator.state import WAITING, AllocatorState, Layout
+from hkv_jax.planner import cdiv
+
+# ``HostTier.counters`` columns.
+COUNTERS = ("hit_tokens", "blocks_down", "blocks_up")
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class HostTier:
+    """The host tier's table and pages.
+
+    Fields:
+      pool: the host block pool (``block_pool.BlockPool`` of ``num_blocks`` host blocks, block 0 unused):
+        its prefix cache maps (block hash, group) to a host block, its free queue is the LRU order.
+      buffers: ``word[num_blocks, page_words]`` per shared tensor of the KV cache, in host memory
+        (``memory_kind``): host block ``b`` holds page ``b`` of each, as device block ``b`` does.
+      counters: ``i32[3]`` since start (``COUNTERS``): tokens of hits the host served, blocks copied down,
+        blocks copied up.
+      copy_up, copy_down (static): the most blocks a step copies up / down (``init_host_tier``).
+      unit (static): the host unit in tokens, a multiple of the scheduling unit: as blocks are computed,
+        the tier keeps what hits ending on its multiples need (``Layout.host_reachable``).
+      memory_kind (static): where the buffers live (``pinned_host``; ``None``: the default memory).
+    """
+
+    pool: block_pool.BlockPool
+    buffers: tuple[jax.Array, ...]
+    counters: jax.Array
+    copy_up: int = field(metadata=dict(static=True), default=0)
+    copy_down: int = field(metadata=dict(static=True), default=0)
+    unit: int = field(metadata=dict(static=True), default=0)
+    memory_kind: str | None = field(metadata=dict(static=True), default=None)
+
+    @property
+    def num_blocks(self) -> int:
+        """Host blocks, block 0 (unused) included."""
+        return self.pool.free_queue.ref_count.shape[0]
+
+
+def host_memory_kind(device: jax.Device | None = None) -> str | None:
+    """``pinned_host`` where ``device`` (default: the first) lists that memory, else ``None``."""
+    device = jax.devices()[0] if device is None else device
+    kinds = {m.kind for m in device.addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else None
+
+
+def copy_sizes(layout: Layout, token_budget: int) -> tuple[int, int]:
+    """``(copy_up, copy_down)``: the most blocks one step restores (one request's blocks in every group)
+    and stores (the blocks a step's ``token_budget`` tokens fill in every group, and one part-filled block
+    per request and group)."""
+    up = layout.num_groups * layout.max_blocks
+    down = layout.num_groups * (cdiv(token_budget, min(layout.block_sizes)) + layout.max_requests)
+    return up, down
+
+
+# The default host unit spans this many of the longest sliding window or attention chunk.
+UNIT_WINDOWS = 8
+
+
+def default_unit(layout: Layout) -> int:
+    """The host unit by default: the smallest multiple of the scheduling unit that spans ``UNIT_WINDOWS`` of
+    the model's longest sliding window or attention chunk (the scheduling unit without either). A sliding
+    group then keeps one window in ``UNIT_WINDOWS`` on the host, besides each request's last one."""
+    spans = [g.spec.window or g.spec.chunk or 0 for g in layout.groups]
+    unit = layout.scheduler_block_size
+    return max(1, cdiv(UNIT_WINDOWS * max(spans), unit)) * unit
+
+
+def init_host_tier(layout: Layout, buffers_like: tuple[jax.Array, ...], num_blocks: int, token_budget: int,
+                   memory_kind: str | None = None, unit: int = 0) -> HostTier:
+    """An empty host tier of ``num_blocks`` blocks (block 0 unused) whose pages have the shape and dtype of
+    ``buffers_like`` (the device cache's buffers), zero-filled in ``memory_kind``; the copy sizes come
+    from ``copy_sizes``; ``unit``: the host unit in tokens (0: ``default_unit``)."""
+    if num_blocks < layout.num_groups + 1:
+        raise ValueError(f"a host tier of {num_blocks} blocks (block 0 unused) cannot hold one block of each of "
+                         f"the {layout.num_groups} groups")
+    unit = unit or default_unit(layout)
+    if unit % layout.scheduler_block_size:
+        raise ValueError(f"the host unit ({unit} tokens) must be a multiple of the scheduling unit "
+                         f"({layout.scheduler_block_size} tokens)")
+    sharding = None
+    if memory_kind is not None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
+
+    def zeros(b):
+        # From numpy: ``device_put`` gives the array its memory space (a jitted ``out_shardings`` does not).
+        return jax.device_put(np.zeros((num_blocks,) + b.shape[1:], b.dtype), sharding)
+
+    up, down = copy_sizes(layout, token_budget)
+    return HostTier(block_pool.init_block_pool(num_blocks, layout.num_groups),
+                    tuple(zeros(b) for b in buffers_like), jnp.zeros(len(COUNTERS), jnp.int32), up, down, unit,
+                    memory_kind)
+
+
+def _count(host: HostTier, **added) -> jax.Array:
+    return host.counters + jnp.array([added.get(name, 0) for name in COUNTERS], jnp.int32)
+
+
+class Copies(NamedTuple):
+    """Pages to copy: ``src[i] -> dst[i]`` for ``i < count`` (``i32[K]`` each, 0 past it)."""
+
+    src: jax.Array
+    dst: jax.Array
+    count: jax.Array
+
+
+def _keys(layout: Layout, hashes: jax.Array) -> jax.Array:
+    """``u32[G, H, 4]``: the hash keying each group's block ``i`` (``group_hashes``)."""
+    H = hashes.shape[0]
+    return jnp.stack([group_hashes(layout, hashes, g, H) for g in range(layout.num_groups)])
+
+
+def _release_order(G: int, H: int) -> np.ndarray:
+    """Flat ``[G, H]`` indices, last block index first: the order a request's blocks are freed in, so that
+    its tail leaves the cache first."""
+    return np.array([g * H + i for i in reversed(range(H)) for g in range(G)], np.int32)
+
+
+def _found(cache: prefix_cache.PrefixCache, hashes: jax.Array) -> jax.Array:
+    """``i32[G, H]``: the block ``cache`` holds per group and hash index (0: none)."""
+    return prefix_cache.block_at(cache, prefix_cache.row_entries(cache, prefix_cache.find_slots(cache, hashes)).T)
+
+
+def _restore_one(layout: Layout, slot, carry):
+    """``restore`` for the waiting request in ``slot``; ``carry = (alloc, pool, counters, src, dst, used)``."""
+    alloc, pool, counters, src, dst, used = carry
+    G, N = layout.num_groups, layout.num_blocks
+    K = src.shape[0]
+    hashes = alloc.hashes[slot]
+    H = hashes.shape[0]
+    dev = _found(alloc.block_pool.prefix_cache, hashes)
+    union = jnp.where(dev > 0, dev, jnp.where(_found(pool.prefix_cache, hashes) > 0,
+                                              N + _found(pool.prefix_cache, hashes), 0))
+    hits, h, _ = lookup(layout, alloc, slot, found=union)
+    _, h_dev, _ = lookup(layout, alloc, slot, found=dev)
+    up = hits >= N                                                    # [G, H] by block index
+    count = jnp.sum(up, dtype=jnp.int32)
+    on_device = jnp.where(up, 0, hits)
+    # The device hit blocks leave the free queue while the restored blocks are popped, so no pop evicts them.
+    queued = jnp.sum((on_device > 0) & (alloc.block_pool.free_queue.ref_count[on_device] == 0), dtype=jnp.int32)
+    ok = (count > 0) & (count <= alloc.block_pool.free_queue.num_free - queued) & (used + count <= K)
+
+    def apply(_):
+        bp = block_pool.touch(alloc.block_pool, on_device.reshape(-1))
+        bp, ids = block_pool.get_new_blocks(bp, count, K)
+        at = jnp.nonzero(up.reshape(-1), size=K, fill_value=G * H)[0]  # flat [G, H] positions of host hits
+        lane = jnp.arange(K) < count
+        new = jnp.where(lane, ids, 0)
+        flat_at = jnp.minimum(at, G * H - 1)
+        cache = prefix_cache.insert_many(bp.prefix_cache, new, _keys(layout, hashes).reshape(-1, 4)[flat_at],
+                                         (flat_at // H).astype(jnp.int32))
+        placed = jnp.zeros(G * H, jnp.int32).at[at].set(new, mode="drop")
+        order = jnp.asarray(_release_order(G, H))
+        bp = block_pool.free_blocks(replace(bp, prefix_cache=cache), (on_device.reshape(-1) + placed)[order])
+        host_blocks = jnp.where(up, hits - N, 0).reshape(-1)
+        hp = block_pool.free_blocks(block_pool.touch(pool, host_blocks), host_blocks[order])  # to the LRU's back
+        pos = jnp.where(lane, used + jnp.arange(K), K)
+        return (replace(alloc, block_pool=bp), hp, counters.at[0].add(h - h_dev),
+                src.at[pos].set(host_blocks[flat_at], mode="drop"), dst.at[pos].set(new, mode="drop"), used + count)
+
+    return jax.lax.cond(ok, apply, lambda _: carry, None)
+
+
+def restore(layout: Layout, alloc: AllocatorState, host: HostTier, slots: jax.Array,
+            mask: jax.Array) -> tuple[AllocatorState, HostTier, Copies]:
+    """Bring back from the host the blocks of the waiting requests in ``slots`` (``i32[R]``; lanes where
+    ``mask``, in order) that extend their prefix-cache hits: the longest hit over device and host blocks
+    by every type's rule, its host-only blocks copied into new device blocks that the device prefix cache
+    enters (free, at the back of the free queue) for the schedule to find. A request whose restore does not
+    fit (too few free device blocks, or the step's ``copy_up`` blocks spent) keeps its device-only hit.
+    Returns the allocator, the host tier (the used blocks moved to the LRU's back, hit tokens counted) and
+    the pages to copy up (host -> device; ``copy_pages``)."""
+    K = host.copy_up
+    lanes = mask & (alloc.status[slots] == WAITING)
+    order = jnp.nonzero(lanes, size=slots.shape[0], fill_value=0)[0]
+    zeros = jnp.zeros(K, jnp.int32)
+    carry = (alloc, host.pool, host.counters, zeros, zeros, jnp.int32(0))
+    alloc, pool, counters, src, dst, used = jax.lax.fori_loop(
+        0, jnp.sum(lanes, dtype=jnp.int32), lambda i, c: _restore_one(layout, slots[order[i]], c), carry)
+    # A block restored twice in one step (a later restore popped an earlier one's block): the last copy wins.
+    k = jnp.arange(K)
+    last = jnp.zeros(layout.num_blocks, jnp.int32).at[jnp.where(k < used, dst, 0)].max(k)
+    keep = (k < used) & (last[dst] == k)
+    copies = Copies(jnp.where(keep, src, 0), jnp.where(keep, dst, 0), used)
+    host = replace(host, pool=pool, counters=counters.at[2].add(jnp.sum(keep, dtype=jnp.int32)))
+    return alloc, host, copies
+
+
+def _needed(layout: Layout, g: int, present: jax.Array, ends: jax.Array) -> jax.Array:
+    """``bool[R, M]``: which of group ``g``'s blocks a hit ending at ``ends: i32[R]`` tokens needs (the group's
+    hit rule: a window, a chunk, a state, or all), where ``present: bool[R, M]`` says which blocks exist."""
+    spec, bs = layout.groups[g].spec, layout.block_sizes[g]
+
+    def one(row, end):
+        return hit_blocks(spec, bs, layout.scheduler_block_size, row[None].astype(jnp.int32), row, end)[0][0] > 0
+
+    return jax.vmap(one)(present, ends)
+
+
+def computed_blocks(layout: Layout, host: HostTier, before: tuple, alloc: AllocatorState) -> jax.Array:
+    """``i32[copy_down]``: the blocks a step computed that the host tier keeps (0 past them).
+
+    ``before = (num_cached, block_slot, num_tokens, num_computed)`` at the step's start (``i32[R, G]``,
+    the cache's ``i32[num_blocks]``, ``i32[R]`` twice). A block the step computed is a table entry between
+    ``num_cached`` then and now whose cache entry is new (not a hit). The tier keeps those that a hit ending
+    on a multiple of the host unit needs (``Layout.host_reachable``) and, for a request that was prefilling
+    (more than one token to compute), those a hit on all its known tokens needs: a repeated prompt hits."""
+    cached_before, slot_before, tokens_before, computed_before = before
+    M, G = layout.max_blocks, layout.num_groups
+    idx = jnp.arange(M)
+    reach = jnp.asarray(np.stack([layout.host_reachable(g, M, host.unit) for g in range(G)]))   # [G, M]
+    rows = alloc.tables                                                                     # [R, G, M]
+    ends = jnp.where(tokens_before - computed_before > 1, cacheable_tokens(layout, tokens_before - 1), 0)
+    every = jnp.ones(rows.shape[::2], bool)                                                 # all present: [R, M]
+    prompt = jnp.stack([_needed(layout, g, every, ends) for g in range(G)], axis=1)          # [R, G, M]
+    slot = alloc.block_pool.prefix_cache.block_slot
+    new = ((idx >= cached_before[..., None]) & (idx < alloc.num_cached[..., None]) & (reach | prompt) & (rows > 0)
+           & (slot[rows] >= 0) & (slot[rows] != slot_before[rows]))
+    at = jnp.nonzero(new.reshape(-1), size=host.copy_down, fill_value=rows.size)[0]
+    return rows.reshape(-1).at[at].get(mode="fill", fill_value=0)
+
+
+def released_blocks(layout: Layout, host: HostTier, alloc: AllocatorState, go: jax.Array) -> jax.Array:
+    """``i32[copy_down]``: the blocks of the requests about to be released (``go: bool[R]``) that a hit
+    ending where their cached prefix ends needs, in every group that does not keep every block (those went
+    down as they were computed): a sliding window's last window, a chunk, a Mamba state (0 past them).
+    A conversation's next turn hits there."""
+    ends = jnp.where(go, cacheable_tokens(layout, jnp.minimum(alloc.num_computed, alloc.num_tokens)), 0)
+    picked = [jnp.where(_needed(layout, g, alloc.tables[:, g] > 0, ends), alloc.tables[:, g], 0)
+              for g in range(layout.num_groups) if not layout.groups[g].spec.keeps_every_token]
+    if not picked:
+        return jnp.zeros(host.copy_down, jnp.int32)
+    blocks = jnp.concatenate(picked, axis=1).reshape(-1)
+    at = jnp.nonzero(blocks > 0, size=host.copy_down, fill_value=blocks.shape[0])[0]
+    return blocks.at[at].get(mode="fill", fill_value=0)
+
+
+def store(layout: Layout, blocks: jax.Array, alloc: AllocatorState, host: HostTier) -> tuple[HostTier, Copies]:
+    """The host side of device blocks ``blocks`` (``i32[copy_down]``, 0: none), each cached in the device
+    prefix cache: each (hash, group) the host lacks takes the LRU's head (evicting its entry) and is
+    entered, one the host holds moves to the LRU's back. Returns the host tier and the pages to copy down
+    (device -> host)."""
+    K, G = host.copy_down, layout.num_groups
+    cache = alloc.block_pool.prefix_cache
+    entry = jnp.where(blocks > 0, cache.block_slot[blocks], -1)
+    blocks = jnp.where(entry >= 0, blocks, 0)
+    entry = jnp.maximum(entry, 0)
+    keys, groups = cache.keys[entry // G], entry % G
+    pool = host.pool
+    held = jnp.where(blocks > 0, prefix_cache.lookup(pool.prefix_cache, keys, groups), 0)
+    # The same (hash, group) twice among them (two requests computed one block): the first goes down.
+    same = jnp.all(keys[:, None] == keys[None, :], -1) & (groups[:, None] == groups[None, :])
+    first = ~jnp.any(same & jnp.tri(K, k=-1, dtype=bool) & (blocks[None, :] > 0), axis=1)
+    held = jnp.where(first, held, 0)
+    pool = block_pool.touch(pool, held)
+    # Every host block is free but those just touched: no more new ones than that (a tiny tier).
+    new = (blocks > 0) & (held == 0) & first
+    new &= jnp.cumsum(new) <= pool.free_queue.num_free
+    count = jnp.sum(new, dtype=jnp.int32)
+    pool, ids = block_pool.get_new_blocks(pool, count, K)
+    rank = jnp.cumsum(new) - 1
+    dst = jnp.where(new, ids[jnp.clip(rank, 0, K - 1)], 0)
+    cache_h = prefix_cache.insert_many(pool.prefix_cache, dst, keys, groups)
+    pool = block_pool.free_blocks(replace(pool, prefix_cache=cache_h), held + dst)
+    cache_h = pool.prefix_cache
+    cache_h = jax.lax.cond(cache_h.clock > prefix_cache.CLOCK_LIMIT, prefix_cache.renumber_clock, lambda c: c, cache_h)
+    order = jnp.argsort(~new, stable=True)  # the copies first
+    copies = Copies(jnp.where(new, blocks, 0)[order], dst[order], count)
+    return replace(host, pool=replace(pool, prefix_cache=cache_h), counters=_count(host, blocks_down=count)), copies
+
+
+def copy_pages(src_buffers: tuple[jax.Array, ...], dst_buffers: tuple[jax.Array, ...], copies: Copies,
+               memory_kind: str | None, to_host: bool) -> tuple[jax.Array, ...]:
+    """``dst_buffers`` with page ``copies.dst[i]`` of each set to page ``copies.src[i]`` of ``src_buffers``,
+    ``i < copies.count``: one gather and one scatter per shared tensor, skipped when there is nothing to
+    copy. With a host ``memory_kind`` the pages cross between memories inside the program (``to_host``:
+    device -> host)."""
+    K = copies.src.shape[0]
+    live = jnp.arange(K) < copies.count
+
+    def move(srcs, dsts):
+        out = []
+        for s, d in zip(srcs, dsts):
+            idx = copies.src
+            if memory_kind is not None and not to_host:  # gather where the host pages live
+                idx = jax.device_put(idx, jax.memory.Space.Host)
+            pages = s[idx]
+            at = jnp.where(live & (copies.dst > 0), copies.dst, d.shape[0])  # never the null block
+            if memory_kind is not None:
+                pages = jax.device_put(pages, jax.memory.Space.Host if to_host else jax.memory.Space.Device)
+                if to_host:
+                    at = jax.device_put(at, jax.memory.Space.Host)
+            out.append(d.at[at].set(pages, mode="drop"))
+        return tuple(out)
+
+    return jax.lax.cond(copies.count > 0, move, lambda s, d: tuple(d), src_buffers, dst_buffers)
+
+
+def host_usage(layout: Layout, host: HostTier) -> dict:
+    """What the host tier holds (read back): blocks (block 0 left out), blocks cached per group, and the
+    counters (``COUNTERS``)."""
+    slot = np.asarray(host.pool.prefix_cache.block_slot)
+    per_group = np.bincount(slot[slot >= 0] % layout.num_groups, minlength=layout.num_groups)
+    return {"blocks": host.num_blocks - 1, "cached_per_group": per_group.tolist(),
+            **dict(zip(COUNTERS, np.asarray(host.counters).tolist()))}
+
+
+def available_host_bytes() -> int:
+    """Host memory free for new allocations (``MemAvailable`` on Linux, else free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_tier_blocks(host_bytes: int, block_bytes: int, num_groups: int) -> int:
+    """Host blocks (block 0 included) that ``host_bytes`` of host memory hold, blocks of ``block_bytes``
+    (a page of every shared tensor); 0 for ``host_bytes`` 0. ``ValueError`` for more than the host's free
+    memory or fewer bytes than one block of each of ``num_groups`` groups."""
+    if host_bytes == 0:
+        return 0
+    free = available_host_bytes()
+    if host_bytes > free:
+        raise ValueError(f"host_cache_bytes {host_bytes:,} is more than the {free:,} bytes of host memory free")
+    blocks = host_bytes // block_bytes
+    if blocks < num_groups:
+        raise ValueError(f"host_cache_bytes {host_bytes:,} holds {blocks} blocks of {block_bytes:,} bytes: the host "
+                         f"tier needs one block of each of the {num_groups} groups, {num_groups * block_bytes:,} bytes")
+    return blocks + 1
