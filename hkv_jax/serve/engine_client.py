@@ -109,7 +109,8 @@ class EngineClient:
         """Apply one queued item: a new request (``n`` choices per prompt, prompt by prompt), an abort, or a
         metrics read."""
         if item[0] == "metrics":
-            item[1].put(prometheus_text(self.engine.stats, self.engine.kv_usage(), self._counts))
+            item[1].put(prometheus_text(self.engine.stats, self.engine.kv_usage(), self._counts,
+                                        self.engine.host_usage()))
             return
         if item[0] == "abort":
             running = [rid for rid in item[1] if self._served.pop(rid, None) is not None]

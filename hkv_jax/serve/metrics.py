@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 
-def prometheus_text(stats, kv, counts: dict) -> str:
+def prometheus_text(stats, kv, counts: dict, host=None) -> str:
     """The ``hkv_`` metrics of an engine's ``stats`` (``Engine.stats``), its ``kv`` usage
-    (``Engine.kv_usage()``) and the server's ``counts`` (``prompt`` and ``generation`` tokens,
-    ``finished`` choices by finish reason)."""
+    (``Engine.kv_usage()``), the server's ``counts`` (``prompt`` and ``generation`` tokens,
+    ``finished`` choices by finish reason) and its host tier's use (``Engine.host_usage()``; ``None``:
+    no tier, no ``hkv_host_`` metrics)."""
     rows = [("requests_running", "gauge", "Requests holding a slot.", kv.running),
             ("requests_waiting", "gauge", "Requests waiting for a slot.", kv.waiting),
             ("kv_blocks", "gauge", "Blocks of the KV pool (the null block left out).", kv.num_blocks),
@@ -28,6 +29,15 @@ def prometheus_text(stats, kv, counts: dict) -> str:
              stats.spec_draft_tokens),
             ("spec_decode_num_accepted_tokens_total", "counter", "Speculative decoding: draft tokens accepted.",
              stats.spec_accepted_tokens)]
+    if host is not None:
+        rows += [("host_cache_bytes", "gauge", "Bytes of the host tier.", host.capacity_bytes),
+                 ("host_cache_used_bytes", "gauge", "Bytes of the blocks the host tier holds.", host.used_bytes),
+                 ("host_cache_hit_tokens_total", "counter", "Prompt tokens of hits that took blocks from the host "
+                  "tier.", host.hit_tokens),
+                 ("host_cache_bytes_down_total", "counter", "Bytes copied from the device to the host tier.",
+                  host.bytes_down),
+                 ("host_cache_bytes_up_total", "counter", "Bytes copied from the host tier to the device.",
+                  host.bytes_up)]
     lines = []
     for name, kind, text, value in rows:
         lines += [f"# HELP hkv_{name} {text}", f"# TYPE hkv_{name} {kind}", f"hkv_{name} {value}"]
