@@ -110,7 +110,8 @@ def measure(name: str, workload: str, args) -> dict:
     result = {}
     for label, eng in (("off", off), ("on", on)):
         if not args.json:
-            print(f"{name} {workload} {label}: {eng.config.num_blocks - 1} device blocks ...", file=sys.stderr, flush=True)
+            print(f"{name} {workload} {label}: {eng.config.num_blocks - 1} device blocks ...", file=sys.stderr,
+                  flush=True)
         times = run(eng, workload, args, args.seed)
         s = eng.stats
         decode = sum(max(len(r.generated) - 1, 0) for r in eng.requests.values())

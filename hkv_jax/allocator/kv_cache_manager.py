@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hkv_jax.allocator import ops
+from hkv_jax.allocator import host_tier, ops
 from hkv_jax.allocator.state import AllocatorState, Layout, init_state
 from hkv_jax.planner import KVCacheConfig, merge_parts
 
@@ -35,6 +35,25 @@ def jitted_ops(layout: Layout, donate: bool = False) -> dict[str, Any]:
     }
 
 
+@functools.lru_cache(maxsize=None)
+def host_ops(layout: Layout) -> dict[str, Any]:
+    """The host tier's table operations (``host_tier``; no pages) jitted for ``layout``."""
+    def restore(state, host, slot):
+        slots = jnp.full(1, slot, jnp.int32)
+        state, host, _ = host_tier.restore(layout, state, host, slots, jnp.ones(1, bool))
+        return state, host
+
+    def store_computed(before, state, host):
+        return host_tier.store(layout, host_tier.computed_blocks(layout, host, before, state), state, host)[0]
+
+    def store_released(state, host, slot):
+        go = jnp.arange(layout.max_requests) == slot
+        return host_tier.store(layout, host_tier.released_blocks(layout, host, state, go), state, host)[0]
+
+    return {"restore": jax.jit(restore), "at_start": jax.jit(host_tier.at_start),
+            "store_computed": jax.jit(store_computed), "store_released": jax.jit(store_released)}
+
+
 @jax.jit
 def _request_view(state: AllocatorState, slot) -> dict[str, jax.Array]:
     """One request's scalars and table rows, read in one call (indexing the state from the host would
@@ -50,10 +69,13 @@ class KVCacheManager:
     state you kept a reference to is then invalid (use ``snapshot()``).
     ``window_aware_eviction=True`` (not vLLM's behaviour) sends blocks that
     leave a sliding window or local chunk to the front of the free queue.
+    ``host_blocks > 0``: a host tier's table of that many blocks (``host_tier``; pages are the engine's):
+    a waiting request's schedule restores its host hits first, blocks a schedule or accept computes are
+    stored after it, and a released request's last window before its release (``host``, a pytree).
     """
 
     def __init__(self, cfg: KVCacheConfig, max_model_len: int, max_requests: int = 64, donate: bool = False,
-                 window_aware_eviction: bool = False):
+                 window_aware_eviction: bool = False, host_blocks: int = 0, host_unit: int = 0):
         self.cfg = cfg
         self.layout = Layout.from_config(cfg, max_model_len, max_requests,
                                          window_aware_eviction=window_aware_eviction)
@@ -62,6 +84,8 @@ class KVCacheManager:
         self._donate = donate
         self._slots: dict[str, int] = {}
         self._free_slots = list(range(max_requests - 1, -1, -1))
+        self.host = (host_tier.init_host_tier(self.layout, (), host_blocks, max_model_len, unit=host_unit)
+                     if host_blocks else None)
 
     # -- snapshots ------------------------------------------------------------------------------
     def snapshot(self) -> tuple[AllocatorState, dict[str, int], list[int]]:
@@ -117,6 +141,9 @@ class KVCacheManager:
             raise ValueError(f"num_tokens must be positive or 'all', got {num_tokens!r}")
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead!r}")
+        if self.host is not None and was_waiting:
+            self.state, self.host = host_ops(self.layout)["restore"](self.state, self.host, slot)
+        mark = self._host_mark()
         self.state, r = self._ops["schedule"](self.layout, self.state, slot, want, lookahead)
         r = jax.device_get(r)
         res: dict[str, Any] = {"num_computed_tokens_before": before}
@@ -132,6 +159,7 @@ class KVCacheManager:
         if not r.ok:
             return res
         view = jax.device_get(_request_view(self.state, slot))
+        self._host_store(mark)
         tables, lens = view["tables"], view["table_len"]
         parts = self.layout.parts
         res["new_block_ids"] = merge_parts(
@@ -161,12 +189,29 @@ class KVCacheManager:
                              f"got {len(tokens)}")
         if int(view["num_computed"]) != int(view["num_tokens"]):
             raise ValueError(f"request {rid!r} has known tokens not yet computed: nothing to accept after")
+        mark = self._host_mark()
         self.state = self._ops["accept"](self.layout, self.state, np.array([slot], np.int32),
                                          np.array([tokens], np.int32), np.array([len(tokens)], np.int32))
+        self._host_store(mark)
+
+    def _host_mark(self):
+        """``host_tier.at_start`` with a host tier, else ``None``."""
+        return None if self.host is None else host_ops(self.layout)["at_start"](self.state)
+
+    def _host_store(self, mark) -> None:
+        """With a host tier: the blocks computed since ``mark`` (``_host_mark``) go down."""
+        if mark is not None:
+            self.host = host_ops(self.layout)["store_computed"](mark, self.state, self.host)
+
+    def _host_release(self, slot: int) -> None:
+        """With a host tier: what the next turn of the request in ``slot`` hits goes down before its release."""
+        if self.host is not None:
+            self.host = host_ops(self.layout)["store_released"](self.state, self.host, slot)
 
     def free(self, rid: str) -> None:
         """Release every block of a request and forget it."""
         slot = self._slot(rid)
+        self._host_release(slot)
         self.state = self._ops["free"](self.layout, self.state, slot)
         del self._slots[rid]
         self._free_slots.append(slot)
@@ -176,6 +221,7 @@ class KVCacheManager:
         slot = self._slot(rid)
         if int(jax.device_get(_request_view(self.state, slot))["status"]) != 2:
             raise ValueError(f"request {rid!r} is not running")
+        self._host_release(slot)
         self.state = self._ops["preempt"](self.layout, self.state, slot)
 
     def reset_prefix_cache(self) -> bool:

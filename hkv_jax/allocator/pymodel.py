@@ -79,6 +79,8 @@ class PyAllocator:
         self.cache: dict[Hashable, list[int]] = {}  # key -> blocks cached under it, oldest first
         self.requests: dict[str, Request] = {}
         self.cached_this_step: set[Hashable] = set()
+        self.puts, self.put_at = 0, [0] * n  # cache insertions so far, and each block's last one
+        self.host: PyHostTier | None = None  # set while a lookup also counts host blocks (``PyHostTier.restore``)
         # Groups with equal specs are looked up together; full attention first.
         spec_groups: list[list[int]] = []
         for g in self.groups:
@@ -132,12 +134,17 @@ class PyAllocator:
             self.ref[b] += 1
 
     def _cached(self, h: Hashable, gids: list[int]) -> list[int] | None:
+        """The (oldest) block cached under ``h`` for each of ``gids``, or None if one has none; while a host
+        tier's restore looks up (``self.host``), a key only the host holds counts as its host block, negated."""
         out = []
         for g in gids:
             blocks = self.cache.get((h, g))
-            if not blocks:
+            if blocks:
+                out.append(blocks[0])
+            elif self.host is not None and (h, g) in self.host.block:
+                out.append(-self.host.block[h, g])
+            else:
                 return None
-            out.append(blocks[0])
         return out
 
     def _group_hashes(self, hashes: list[Hashable], g: int) -> list[Hashable]:
@@ -310,6 +317,7 @@ class PyAllocator:
         self._evict(b)
         self.hash[b] = key
         self.cache.setdefault(key, []).append(b)
+        self.put_at[b], self.puts = self.puts, self.puts + 1
 
     def _cache(self, r: Request, g: int, num_tokens: int, hashes: list[Hashable]) -> None:
         """Cache group ``g``'s blocks that ``num_tokens`` computed tokens fill, cut to the scheduling unit (a
@@ -449,3 +457,167 @@ class PyAllocator:
     def new_step(self) -> None:
         """A scheduler step begins (Mamba states cached earlier may now serve hits)."""
         self.cached_this_step.clear()
+
+
+# ---- the host tier (``host_tier.py``), stated plainly -------------------------------------------------
+
+
+def host_reachable(spec, bs: int, segment: int, i: int) -> bool:
+    """Whether block ``i`` of a group of ``spec`` is one a hit ending on a multiple of ``segment`` blocks (the
+    host unit) needs: every block of full attention, the window before each multiple for a sliding window,
+    the chunk holding each multiple for chunked local attention, the state at each multiple for Mamba."""
+    if isinstance(spec, SlidingWindowSpec):
+        return i % segment >= segment - max(cdiv(spec.sliding_window - 1, bs), 1)
+    if isinstance(spec, ChunkedLocalSpec):
+        end = (i // segment + 1) * segment * bs
+        return i * bs >= end // spec.attention_chunk_size * spec.attention_chunk_size
+    if isinstance(spec, MambaSpec):
+        return i % segment == segment - 1
+    return True
+
+
+def needed_blocks(spec, bs: int, unit: int, present: list[bool], end: int) -> list[int]:
+    """Indices of the blocks (``present`` says which exist) that the longest hit of one group within ``end``
+    tokens, ending on a multiple of ``unit`` tokens (the scheduling unit), uses: the group's hit rule on
+    its own."""
+    nmax, segment = end // bs, unit // bs
+
+    def run_from(start: int) -> int:  # present blocks from ``start`` on, up to nmax
+        i = start
+        while i < min(len(present), nmax) and present[i]:
+            i += 1
+        return i
+
+    if isinstance(spec, SlidingWindowSpec):
+        need = max(cdiv(spec.sliding_window - 1, bs), 1)
+        for i in range(min(nmax, len(present)) - 1, -1, -1):
+            if (i + 1) % segment == 0 and i + 1 >= need and all(present[i + 1 - need:i + 1]):
+                return list(range(i + 1 - need, i + 1))
+        return list(range(run_from(0) // segment * segment))
+    if isinstance(spec, MambaSpec):
+        for i in range(min(nmax, len(present)) - 1, -1, -1):
+            if (i + 1) % segment == 0 and present[i]:
+                return [i]
+        return []
+    start = 0
+    if isinstance(spec, ChunkedLocalSpec) and end > 0:
+        start = end // spec.attention_chunk_size * spec.attention_chunk_size // bs
+    return list(range(start, run_from(start) // segment * segment))
+
+
+class PyHostTier:
+    """The host tier of a ``PyAllocator``: ``num_blocks`` host blocks (block 0 unused), an LRU list of them
+    (head evicted first; every host block is in it), the (block hash, group) each holds, and the unit.
+    ``max_up`` / ``max_down``: the most blocks one restore / store takes (``host_tier.copy_sizes``)."""
+
+    def __init__(self, alloc: PyAllocator, num_blocks: int, unit: int, max_up: int, max_down: int):
+        self.alloc, self.unit, self.max_up, self.max_down = alloc, unit, max_up, max_down
+        self.lru: list[int] = list(range(1, num_blocks))
+        self.key: list[Hashable | None] = [None] * num_blocks
+        self.block: dict[Hashable, int] = {}
+
+    def _take(self, count: int) -> list[int]:
+        taken, self.lru = self.lru[:count], self.lru[count:]
+        for hb in taken:
+            if self.key[hb] is not None:
+                del self.block[self.key[hb]]
+                self.key[hb] = None
+        return taken
+
+    def restore(self, rid: str) -> None:
+        """Before the first schedule of waiting request ``rid``: its longest hit over device and host blocks;
+        the blocks only the host holds get new device blocks, cached and freed to the back of the queue with
+        the device blocks of the hit, tail first; the host blocks used go to the LRU's back in that order."""
+        a, r = self.alloc, self.alloc.requests[rid]
+        if r.status != WAITING:
+            return
+        a.host = self
+        try:
+            hits, _, _ = a.lookup(rid)
+        finally:
+            a.host = None
+        up = [(g, i) for g, row in enumerate(hits) for i, b in enumerate(row) if b < 0]
+        device = [b for row in hits for b in row if b > 0]
+        queued = sum(1 for b in device if a.ref[b] == 0)
+        if not up or len(up) > a.num_free_blocks - queued or len(up) > self.max_up:
+            return
+        a._touch(device)
+        new = a._pop_free(len(up))
+        hashes = block_hashes(r.tokens, a.hash_block_size, r.salt)
+        host_used = {}
+        for (g, i), b in zip(up, new):
+            host_used[g, i] = -hits[g][i]
+            hits[g][i] = b
+            a._put(b, (a._group_hashes(hashes, g)[i], g))
+        order = [(g, i) for i in range(max(map(len, hits)) - 1, -1, -1) for g in range(len(hits)) if i < len(hits[g])]
+        a._free_blocks([hits[g][i] for g, i in order if hits[g][i] != NULL])
+        used = [host_used[p] for p in order if p in host_used]
+        self.lru = [hb for hb in self.lru if hb not in host_used.values()] + used
+
+    def mark(self) -> tuple:
+        """What ``store_computed`` compares against: each request's ``num_cached``, tokens and computed tokens,
+        and the device cache's insertions so far."""
+        a = self.alloc
+        return ({rid: (list(r.num_cached), len(r.tokens), r.num_computed) for rid, r in a.requests.items()},
+                a.puts)
+
+    def store_computed(self, before: tuple) -> None:
+        """After a schedule or accept: the blocks it computed that the tier keeps (``host_tier.computed_blocks``)."""
+        a = self.alloc
+        counts, puts = before
+        blocks = []
+        for rid, r in a.requests.items():
+            if rid not in counts:
+                continue
+            cached, tokens, computed = counts[rid]
+            end = (tokens - 1) // a.scheduler_block_size * a.scheduler_block_size if tokens - computed > 1 else 0
+            width = cdiv(a.max_model_len, min(g.block_size for g in a.groups)) + 1
+            for g, group in enumerate(a.groups):
+                bs = group.block_size
+                prompt = set(needed_blocks(group.spec, bs, a.scheduler_block_size, [True] * width, end))
+                for i in range(cached[g] or 0, r.num_cached[g] or 0):
+                    b = r.tables[g][i]
+                    if b != NULL and a.hash[b] is not None and a.put_at[b] >= puts and (
+                            host_reachable(group.spec, bs, self.unit // bs, i) or i in prompt):
+                        blocks.append(b)
+        self.store(blocks[:self.max_down])
+
+    def store_released(self, rid: str) -> None:
+        """Before request ``rid`` is freed or preempted: the blocks a hit ending where its cached prefix ends
+        needs, in the groups that do not keep every block (``host_tier.released_blocks``)."""
+        a, r = self.alloc, self.alloc.requests[rid]
+        end = min(r.num_computed, len(r.tokens)) // a.scheduler_block_size * a.scheduler_block_size
+        blocks = []
+        for g, group in enumerate(a.groups):
+            if isinstance(group.spec, FullAttentionSpec):
+                continue
+            table = r.tables[g]
+            for i in needed_blocks(group.spec, group.block_size, a.scheduler_block_size, [b != NULL for b in table],
+                                   end):
+                blocks.append(table[i])
+        self.store(blocks[:self.max_down])
+
+    def store(self, blocks: list[int]) -> None:
+        """Device blocks ``blocks`` (cached ones; the first of each key): a key the tier holds moves to the
+        LRU's back, the others take the LRU's head in order, as many as there are free host blocks."""
+        a = self.alloc
+        seen, items = set(), []
+        for b in blocks:
+            key = a.hash[b]
+            if key is None or key in seen:
+                continue
+            seen.add(key)
+            items.append((key, self.block.get(key)))
+        held = {hb for _, hb in items if hb is not None}
+        self.lru = [hb for hb in self.lru if hb not in held]
+        room = len(self.lru)
+        new = [key for key, hb in items if hb is None][:room]
+        taken = dict(zip(new, self._take(len(new))))
+        back = []
+        for key, hb in items:
+            if hb is None and key in taken:
+                hb = taken[key]
+                self.key[hb], self.block[key] = key, hb
+            if hb is not None:
+                back.append(hb)
+        self.lru += back

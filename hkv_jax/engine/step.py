@@ -381,12 +381,6 @@ def _restore(static: StepStatic, state: EngineState, slot_of, want) -> EngineSta
     return replace(state, alloc=alloc, cache=replace(state.cache, buffers=buffers), host=host)
 
 
-def _cached(alloc: AllocatorState) -> tuple[jax.Array, ...]:
-    """What ``host_tier.computed_blocks`` compares against at the step's end: ``num_cached``, the prefix
-    cache's ``block_slot``, ``num_tokens`` and ``num_computed`` now."""
-    return alloc.num_cached, alloc.block_pool.prefix_cache.block_slot, alloc.num_tokens, alloc.num_computed
-
-
 def _store(layout: Layout, blocks, alloc: AllocatorState, cache: KVCache, host: host_tier.HostTier):
     """Device blocks ``blocks`` (``host_tier.store``, the blocks first, then zeros; none or few in most decode
     steps: then nothing or a narrow program runs), their pages copied down to the host tier."""
@@ -414,7 +408,7 @@ def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, pl
     ``draft``: a speculative step's drafts (``_propose``), whose slots the allocator held: each entry also
     computes them, is sampled after its last known token and after each of them, and emits the sampled
     tokens up to the first that differs from the draft. With a host tier, the blocks the step computed
-    (``host_tier.computed_blocks`` from ``before``: ``_cached`` at the step's start) go down at the end."""
+    (``host_tier.computed_blocks`` from ``before``: ``host_tier.at_start`` at the step's start) go down at the end."""
     alloc, b = _inputs(static, state, plan, alloc, ok, n, draft)
     model, logits, cache = _forward(static, params, state, b)
     new_tokens, do_sample, key = _sample(static, state, plan, alloc, b, ok, logits)
@@ -440,7 +434,7 @@ def step(static: StepStatic, params: list[jax.Array], state: EngineState, plan: 
     before = None
     if state.host is not None and not static.lean:  # a lean step caches nothing, so no block moves
         state = _restore(static, state, slot_of, plan.want)
-        before = _cached(state.alloc)
+        before = host_tier.at_start(state.alloc)
     alloc, ok, n, hit = _allocate(static, state.alloc, slot_of, plan.want, None if draft is None else draft[1])
     return _compute(static, params, state, plan, alloc, ok, n, hit, draft, before)
 
@@ -470,7 +464,7 @@ def decode_steps(static: StepStatic, steps: int, params: list[jax.Array], state:
 
         def run():
             return _compute(static, params, state, plan, alloc, ok, ok.astype(jnp.int32), jnp.zeros_like(slot_of),
-                            before=_cached(state.alloc))
+                            before=host_tier.at_start(state.alloc))
 
         # The skipped step returns ``alloc`` too (unchanged but for ``new_step``, which the full step
         # repeats): the state before it is then dead, and XLA updates the pool and cache in place.
