@@ -111,6 +111,16 @@ def default_unit(layout: Layout) -> int:
     return max(1, cdiv(max(spans), unit)) * unit
 
 
+def host_unit(layout: Layout, unit: int = 0) -> int:
+    """The host unit in tokens: ``unit``, or ``default_unit`` for 0; ``ValueError`` unless a multiple of the
+    scheduling unit."""
+    unit = unit or default_unit(layout)
+    if unit % layout.scheduler_block_size:
+        raise ValueError(f"the host unit ({unit} tokens) must be a multiple of the scheduling unit "
+                         f"({layout.scheduler_block_size} tokens)")
+    return unit
+
+
 def init_host_tier(layout: Layout, buffers_like: tuple[jax.Array, ...], num_blocks: int, token_budget: int,
                    memory_kind: str | None = None, unit: int = 0) -> HostTier:
     """An empty host tier of ``num_blocks`` blocks (block 0 unused) whose pages have the shape and dtype of
@@ -119,10 +129,7 @@ def init_host_tier(layout: Layout, buffers_like: tuple[jax.Array, ...], num_bloc
     if num_blocks < layout.num_groups + 1:
         raise ValueError(f"a host tier of {num_blocks} blocks (block 0 unused) cannot hold one block of each of "
                          f"the {layout.num_groups} groups")
-    unit = unit or default_unit(layout)
-    if unit % layout.scheduler_block_size:
-        raise ValueError(f"the host unit ({unit} tokens) must be a multiple of the scheduling unit "
-                         f"({layout.scheduler_block_size} tokens)")
+    unit = host_unit(layout, unit)
     sharding = None
     if memory_kind is not None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
@@ -404,7 +411,7 @@ def bytes_per_token(layout: Layout, block_bytes: int, unit: int = 0) -> tuple[li
     a share of the group's blocks, ``block_bytes`` each); a naive tier keeps every group's block for every
     token. A request's last window or state, which the tier also keeps, is left out: it does not grow with
     the prefix."""
-    unit = unit or default_unit(layout)
+    unit = host_unit(layout, unit)
     ours, naive = [], []
     for g in range(layout.num_groups):
         bs = layout.block_sizes[g]
@@ -418,7 +425,7 @@ def capacity(layout: Layout, block_bytes: int, host_bytes: int, unit: int = 0) -
     """What ``host_bytes`` of host tier hold (``hkv plan --host-cache``): the unit, the blocks, each KV cache
     group's host bytes per cached token, and the cached tokens over all groups, against a naive tier that
     keeps every group's block for every token (``bytes_per_token``)."""
-    unit = unit or default_unit(layout)
+    unit = host_unit(layout, unit)
     ours, naive = bytes_per_token(layout, block_bytes, unit)
     groups = [{"group": i, "kind": layout.groups[p[0]].spec.kind,
                "bytes_per_token": sum(ours[g] for g in p), "naive_bytes_per_token": sum(naive[g] for g in p)}
