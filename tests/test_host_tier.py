@@ -48,7 +48,7 @@ def serve_one(eng: Engine, prompt: list[int], new: int) -> tuple[list[int], list
 # round repeats the prompts (the window before the prompt's end went down as it was computed) and then
 # continues the first conversation (the window before its end went down when it was released).
 @pytest.mark.parametrize("name,policy", [("tiny-gemma3", "vllm"), ("tiny-jamba", "min-waste")])
-def test_hits_from_the_host_give_the_dense_models_tokens(name, policy):
+def test_hits_from_the_host_give_the_dense_models_tokens(name, policy, tmp_path):
     model = tiny(name)
     eng = Engine(model, num_blocks=44, block_size=8, max_requests=2, max_model_len=MAX_LEN, token_budget=32,
                  token_buckets=(32,), impl="reference", policy=policy, host_cache_bytes=1 << 20)
@@ -81,6 +81,20 @@ def test_hits_from_the_host_give_the_dense_models_tokens(name, policy):
     full = [g for g in range(eng.layout.num_groups) if eng.layout.groups[g].spec.keeps_every_token]
     other = [g for g in range(eng.layout.num_groups) if g not in full]
     assert max(usage.cached_per_group[g] for g in other) < min(usage.cached_per_group[g] for g in full)
+    # A snapshot holds the host tier too: after a restore, or a save and load, the same request takes the
+    # same host hits and gives the same tokens.
+    snap = eng.snapshot()
+    later = prompts[1] + again[1][0] + [int(t) for t in rng.integers(0, 256, 10)]
+    then = serve_one(eng, later, 4), eng.host_usage()
+    assert then[0][2] > 0
+    eng.restore(snap)
+    assert eng.host_usage() == usage
+    assert (serve_one(eng, later, 4)[::2], eng.host_usage()) == (then[0][::2], then[1])
+    eng.restore(snap)
+    eng.save(tmp_path / "ckpt")
+    serve_one(eng, prompts[2], 4)
+    eng.load(tmp_path / "ckpt")
+    assert eng.host_usage() == usage and serve_one(eng, later, 4)[::2] == then[0][::2]
 
 
 def test_host_tier_sizes_are_checked_at_start():

@@ -1,27 +1,31 @@
-"""The host tier: a second block pool in host memory behind the device prefix cache.
+"""The host tier: a second block pool in host memory behind the device prefix cache (``docs/host_tier.md``).
 
 It holds copies of cached blocks, keyed as the device prefix cache keys them ((block hash, group)), in a
 pool of its own: a ``BlockPool`` whose free queue is its LRU order (no request ever holds a host block, so
 every host block is free; a store takes the queue's head, evicting that block's entry, and a hit moves
-the blocks it used to the back). Which blocks go down is the device cache's own rule: every block the
-device prefix cache enters goes down once its KV is computed (write-through, in the step that computes
-it), and the device cache enters only blocks a later hit can use (``Layout.reachable``: a full-attention
-group every block, a sliding-window group the window before each scheduling-unit boundary, a Mamba group
-the state at each boundary). So a hybrid model's host bytes per token are what its groups keep, never
-every group's block for every token.
+the blocks it used to the back).
 
-A step runs the two halves around the model's forward, each as one gather and one scatter of pages:
+What goes down is what a later hit can use, by each type's rule. Hits on the host end on multiples of the
+host unit (``HostTier.unit``, a multiple of the scheduling unit), or where a prompt or a request ended: a
+block goes down in the step that computes it when a hit ending on a unit multiple needs it
+(``Layout.host_reachable``: every block of full attention, the window before each multiple for a sliding
+window, one Mamba state per unit) or a hit on the whole prompt does; and before a request is released, what
+a hit ending where its cached prefix ends needs (its last window, its state: ``released_blocks``). So a
+hybrid model's host bytes per token are what its groups' hits need, never every group's block for every
+token.
+
+A step runs the two halves around the model's forward, each one gather and one scatter of pages:
 
 - ``restore`` (before the schedule): for each waiting request, the longest hit over device and host blocks
   together by every type's hit rule (``coordinator.lookup``); the blocks only the host holds get new device
   blocks, entered in the device prefix cache as free cached blocks at the back of the free queue, so the
   schedule that follows finds them as ordinary device hits. Their pages are copied up before the forward.
-- ``store`` (after the step's tokens are committed): every block the device cache entered in the step and
-  the host does not hold takes a host block; its pages are copied down.
+- ``store`` (after the step's tokens are committed): the blocks the step computed that the tier keeps
+  (``computed_blocks``) and does not hold yet take host blocks; their pages are copied down.
 
-Writing through rather than at device eviction keeps the copy out of the allocator's eviction paths (a
-block popped in a step is overwritten by the same step's forward) at the cost of copying down blocks that
-are never evicted: one page per cached block, the bytes the prefill just wrote.
+Writing blocks down as they are computed, not when the device evicts them, keeps the copies out of the
+allocator's eviction paths (a block popped in a step is overwritten by the same step's forward), at the
+cost of copying blocks the device never evicts.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compute_on import compute_on
 
 from hkv_jax.allocator import block_pool, prefix_cache
 from hkv_jax.allocator.coordinator import cacheable_tokens, group_hashes, lookup
@@ -180,9 +185,8 @@ def _restore_one(layout: Layout, slot, carry):
     K = src.shape[0]
     hashes = alloc.hashes[slot]
     H = hashes.shape[0]
-    dev = _found(alloc.block_pool.prefix_cache, hashes)
-    union = jnp.where(dev > 0, dev, jnp.where(_found(pool.prefix_cache, hashes) > 0,
-                                              N + _found(pool.prefix_cache, hashes), 0))
+    dev, held = _found(alloc.block_pool.prefix_cache, hashes), _found(pool.prefix_cache, hashes)
+    union = jnp.where(dev > 0, dev, jnp.where(held > 0, N + held, 0))  # host blocks numbered past the device's
     hits, h, _ = lookup(layout, alloc, slot, found=union)
     _, h_dev, _ = lookup(layout, alloc, slot, found=dev)
     up = hits >= N                                                    # [G, H] by block index
@@ -333,22 +337,25 @@ def copy_pages(src_buffers: tuple[jax.Array, ...], dst_buffers: tuple[jax.Array,
     """``dst_buffers`` with page ``copies.dst[i]`` of each set to page ``copies.src[i]`` of ``src_buffers``,
     ``i < copies.count``: one gather and one scatter per shared tensor, skipped when there is nothing to
     copy. With a host ``memory_kind`` the pages cross between memories inside the program (``to_host``:
-    device -> host)."""
+    device -> host), and the host side's gather or scatter runs on the host (``compute_on``)."""
+    host, device = jax.memory.Space.Host, jax.memory.Space.Device
+
+    def on_host(fn, *args):
+        return compute_on(compute_type="device_host", out_memory_spaces=host)(jax.jit(fn))(
+            *(jax.device_put(a, host) for a in args))
+
     def move(width, srcs, dsts):
         src, dst = copies.src[:width], copies.dst[:width]
         live = (jnp.arange(width) < copies.count) & (dst > 0)  # never the null block
         out = []
         for s, d in zip(srcs, dsts):
-            idx = src
-            if memory_kind is not None and not to_host:  # gather where the host pages live
-                idx = jax.device_put(idx, jax.memory.Space.Host)
-            pages = s[idx]
             at = jnp.where(live, dst, d.shape[0])
-            if memory_kind is not None:
-                pages = jax.device_put(pages, jax.memory.Space.Host if to_host else jax.memory.Space.Device)
-                if to_host:
-                    at = jax.device_put(at, jax.memory.Space.Host)
-            out.append(d.at[at].set(pages, mode="drop"))
+            if memory_kind is None:
+                out.append(d.at[at].set(s[src], mode="drop"))
+            elif to_host:
+                out.append(on_host(lambda h, p, i: h.at[i].set(p, mode="drop"), d, s[src], at))
+            else:
+                out.append(d.at[at].set(jax.device_put(on_host(lambda h, i: h[i], s, src), device), mode="drop"))
         return tuple(out)
 
     return by_count(copies.count, copies.src.shape[0], move, src_buffers, dst_buffers)

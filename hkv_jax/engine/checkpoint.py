@@ -70,8 +70,19 @@ def load(runner: ModelRunner, scheduler: Scheduler, path: str | Path) -> None:
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
+    host = runner.state.host
+    if host is None or host.memory_kind is None:
+        target = jax.tree.map(jnp.zeros_like, runner.state)
+    else:  # orbax reads host pages into device memory (and ``zeros_like`` makes none in host memory): moved after
+        target = jax.tree.map(jnp.zeros_like, replace(runner.state, host=replace(host, buffers=())))
+        target = replace(target, host=replace(target.host, buffers=tuple(jnp.zeros(b.shape, b.dtype)
+                                                                         for b in host.buffers)))
     with ocp.StandardCheckpointer() as ckpt:
-        runner.state = ckpt.restore(path / "state", jax.tree.map(jnp.zeros_like, runner.state))
+        state = ckpt.restore(path / "state", target)
+    if host is not None and host.memory_kind is not None:
+        state = replace(state, host=replace(state.host, buffers=tuple(
+            jax.device_put(b, h.sharding) for b, h in zip(state.host.buffers, host.buffers))))
+    runner.state = state
     host = json.loads((path / "host.json").read_text())
     host["requests"] = {int(k): Request.from_dict(r) for k, r in host["requests"].items()}
     scheduler.load_state_dict(host)
