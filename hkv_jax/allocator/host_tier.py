@@ -39,7 +39,7 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 
 from hkv_jax.allocator import block_pool, prefix_cache
-from hkv_jax.allocator.coordinator import cacheable_tokens, group_hashes, lookup
+from hkv_jax.allocator.coordinator import cacheable_tokens, group_blocks, group_hashes, lookup
 from hkv_jax.allocator.managers import hit_blocks
 from hkv_jax.allocator.state import WAITING, AllocatorState, Layout
 from hkv_jax.planner import cdiv
@@ -284,18 +284,33 @@ def computed_blocks(layout: Layout, host: HostTier, before: tuple, alloc: Alloca
 
 
 def released_blocks(layout: Layout, host: HostTier, alloc: AllocatorState, go: jax.Array) -> jax.Array:
-    """``i32[copy_down]``: the blocks of the requests about to be released (``go: bool[R]``) that a hit
-    ending where their cached prefix ends needs, in every group that does not keep every block (those went
-    down as they were computed): a sliding window's last window, a chunk, a Mamba state (0 past them).
-    A conversation's next turn hits there."""
-    ends = jnp.where(go, cacheable_tokens(layout, jnp.minimum(alloc.num_computed, alloc.num_tokens)), 0)
-    picked = [jnp.where(_needed(layout, g, alloc.tables[:, g] > 0, ends), alloc.tables[:, g], 0)
-              for g in range(layout.num_groups) if not layout.groups[g].spec.keeps_every_token]
-    if not picked:
-        return jnp.zeros(host.copy_down, jnp.int32)
-    blocks = jnp.concatenate(picked, axis=1).reshape(-1)
-    at = jnp.nonzero(blocks > 0, size=host.copy_down, fill_value=blocks.shape[0])[0]
-    return blocks.at[at].get(mode="fill", fill_value=0)
+    """``i32[copy_down]``: for the requests about to be released (``go: bool[R]``), in slot order, the blocks
+    a hit ending where their cached prefix ends needs, in every group that does not keep every block
+    (those went down as they were computed): a sliding window's last window, a chunk, a Mamba state, found
+    in the device prefix cache by the request's block hashes (so a block the request already released but
+    the cache still holds counts); 0 past them. A conversation's next turn hits there."""
+    K = host.copy_down
+    others = [g for g in range(layout.num_groups) if not layout.groups[g].spec.keeps_every_token]
+    if not others:
+        return jnp.zeros(K, jnp.int32)
+    cache = alloc.block_pool.prefix_cache
+    ends = cacheable_tokens(layout, jnp.minimum(alloc.num_computed, alloc.num_tokens))
+    order = jnp.nonzero(go, size=go.shape[0], fill_value=0)[0]
+
+    def one(i, carry):
+        out, used = carry
+        slot = order[i]
+        hashes = alloc.hashes[slot]
+        valid = jnp.arange(hashes.shape[0]) < alloc.num_tokens[slot] // layout.hash_block_size
+        found = group_blocks(layout, jnp.where(valid[None, :], _found(cache, hashes), 0))  # [G, H] by block index
+        blocks = jnp.concatenate([jnp.where(_needed(layout, g, found[g][None] > 0, ends[slot][None])[0], found[g], 0)
+                                  for g in others])
+        at = jnp.nonzero(blocks > 0, size=K, fill_value=blocks.shape[0])[0]
+        count = jnp.sum(blocks > 0, dtype=jnp.int32)
+        pos = jnp.where(jnp.arange(K) < count, used + jnp.arange(K), K)
+        return out.at[pos].set(blocks.at[at].get(mode="fill", fill_value=0), mode="drop"), used + count
+
+    return jax.lax.fori_loop(0, jnp.sum(go, dtype=jnp.int32), one, (jnp.zeros(K, jnp.int32), jnp.int32(0)))[0]
 
 
 def store(layout: Layout, blocks: jax.Array, alloc: AllocatorState, host: HostTier) -> tuple[HostTier, Copies]:

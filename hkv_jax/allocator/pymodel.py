@@ -584,17 +584,19 @@ class PyHostTier:
 
     def store_released(self, rid: str) -> None:
         """Before request ``rid`` is freed or preempted: the blocks a hit ending where its cached prefix ends
-        needs, in the groups that do not keep every block (``host_tier.released_blocks``)."""
+        needs, in the groups that do not keep every block, as the device cache holds them under its block
+        hashes (``host_tier.released_blocks``)."""
         a, r = self.alloc, self.alloc.requests[rid]
         end = min(r.num_computed, len(r.tokens)) // a.scheduler_block_size * a.scheduler_block_size
+        hashes = block_hashes(r.tokens, a.hash_block_size, r.salt)
         blocks = []
         for g, group in enumerate(a.groups):
             if isinstance(group.spec, FullAttentionSpec):
                 continue
-            table = r.tables[g]
-            for i in needed_blocks(group.spec, group.block_size, a.scheduler_block_size, [b != NULL for b in table],
+            found = [a.cache[h, g][0] if (h, g) in a.cache else NULL for h in a._group_hashes(hashes, g)]
+            for i in needed_blocks(group.spec, group.block_size, a.scheduler_block_size, [b != NULL for b in found],
                                    end):
-                blocks.append(table[i])
+                blocks.append(found[i])
         self.store(blocks[:self.max_down])
 
     def store(self, blocks: list[int]) -> None:
