@@ -205,13 +205,15 @@ def _restore_one(layout: Layout, slot, carry):
         flat_at = jnp.minimum(at, G * H - 1)
         cache = prefix_cache.insert_many(bp.prefix_cache, new, _keys(layout, hashes).reshape(-1, 4)[flat_at],
                                          (flat_at // H).astype(jnp.int32))
+        # A restored Mamba state is whole: it may serve a hit in this step (``AllocatorState.step_cached``).
+        step_cached = alloc.step_cached.at[layout.step_cached_index(cache, new)].set(False, mode="drop")
         placed = jnp.zeros(G * H, jnp.int32).at[at].set(new, mode="drop")
         order = jnp.asarray(_release_order(G, H))
         bp = block_pool.free_blocks(replace(bp, prefix_cache=cache), (on_device.reshape(-1) + placed)[order])
         host_blocks = jnp.where(up, hits - N, 0).reshape(-1)
         hp = block_pool.free_blocks(block_pool.touch(pool, host_blocks), host_blocks[order])  # to the LRU's back
         pos = jnp.where(lane, used + jnp.arange(K), K)
-        return (replace(alloc, block_pool=bp), hp, counters.at[0].add(h - h_dev),
+        return (replace(alloc, block_pool=bp, step_cached=step_cached), hp, counters.at[0].add(h - h_dev),
                 src.at[pos].set(host_blocks[flat_at], mode="drop"), dst.at[pos].set(new, mode="drop"), used + count)
 
     return jax.lax.cond(ok, apply, lambda _: carry, None)

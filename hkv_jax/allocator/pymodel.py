@@ -548,7 +548,9 @@ class PyHostTier:
         for (g, i), b in zip(up, new):
             host_used[g, i] = -hits[g][i]
             hits[g][i] = b
-            a._put(b, (a._group_hashes(hashes, g)[i], g))
+            key = (a._group_hashes(hashes, g)[i], g)
+            a._put(b, key)
+            a.cached_this_step.discard(key)  # a restored Mamba state is whole: it may serve a hit in this step
         order = [(g, i) for i in range(max(map(len, hits)) - 1, -1, -1) for g in range(len(hits)) if i < len(hits[g])]
         a._free_blocks([hits[g][i] for g, i in order if hits[g][i] != NULL])
         used = [host_used[p] for p in order if p in host_used]

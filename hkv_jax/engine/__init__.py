@@ -13,7 +13,7 @@ _HOMES = {
     "EngineConfig": "config", "Engine": "engine", "FinishReason": "request", "Request": "request",
     "RequestStatus": "request", "check_stop": "request", "sample": "sampler", "SamplingParams": "sampling_params",
     "Scheduler": "scheduler", "SchedulerOutput": "changes", "DraftModelSpec": "speculative",
-    "NgramSpec": "speculative", "KVUsage": "stats", "Stats": "stats", "EngineState": "step",
+    "NgramSpec": "speculative", "KVUsage": "stats", "HostUsage": "stats", "Stats": "stats", "EngineState": "step",
     "StepOutput": "step_messages", "StepPlan": "step_messages", "StepReport": "step_messages",
 }
 __all__ = sorted(_HOMES)
