@@ -78,6 +78,7 @@ LONGEST_FIRST = (
     "test_pymodel_properties.py::",
     "test_engine.py::test_engine_generates",
     "test_engine_paths.py::",
+    "test_host_tier.py::test_hits",
     "test_cli.py::test_demo_serves",
     "test_benchmarks.py::test_engine_benchmark",
     "test_benchmarks.py::test_gpu_session",
