@@ -139,8 +139,9 @@ def _decode_options(args: argparse.Namespace) -> dict:
     options = {} if args.decode_steps is None else {"decode_steps": args.decode_steps}
     if args.kv_cache_dtype != "auto":
         options["kv_cache_dtype"] = args.kv_cache_dtype
-    if _host_bytes(args):
-        options["host_cache_bytes"] = _host_bytes(args)
+    host = _host_bytes(args)
+    if host:
+        options["host_cache_bytes"] = host
     if args.host_cache_unit is not None:
         options["host_cache_unit"] = args.host_cache_unit
     if args.speculative == "ngram":

@@ -87,6 +87,23 @@ def compare_policies(layers, *, block_size: int, memory_bytes: int | None, num_b
     return out
 
 
+def _runs(rows) -> list[tuple[list[int], str]]:
+    """``(group ids, key)`` per run of consecutive ``(group id, key, joins)`` rows with one key (a row whose
+    ``joins`` is False starts a run of its own)."""
+    runs: list[tuple[list[int], str]] = []
+    for gid, key, joins in rows:
+        if runs and runs[-1][1] == key and joins:
+            runs[-1][0].append(gid)
+        else:
+            runs.append(([gid], key))
+    return runs
+
+
+def _label(ids: list[int]) -> str:
+    """A run's group ids as ``3`` or ``0-25``."""
+    return str(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}"
+
+
 def render_table(model: str, layers, chosen: KVCacheConfig, others: dict[str, KVCacheConfig], max_model_len: int,
                  tp: int = 1) -> str:
     """The text report: the chosen plan's groups, then every policy side by side (per device with ``tp``)."""
@@ -110,21 +127,15 @@ def render_table(model: str, layers, chosen: KVCacheConfig, others: dict[str, KV
         f"{'group':>5}  {'type':<15} {'layers':>6} {'block':>6} {'span':>4} {'slot':>4} {'pad':>4} {'pad %':>6}"
         "  layers",
     ]
-    rows: list[tuple[list[int], str]] = []
-    for g in c.groups:
-        # Consecutive groups that differ only in their layers share one row.
-        key = (f"{g.spec.kind:<15} {len(g.layer_names):>6} {g.block_size:>6} {g.blocks_per_state:>4} "
-               f"{g.layers_per_slot:>4} {c.group_padding_layers(g):>4} {100 * c.group_padding_fraction(g):>5.1f}%")
-        if rows and rows[-1][1] == key and not g.shared_layer_names:
-            rows[-1][0].append(g.group_id)
-        else:
-            rows.append(([g.group_id], key))
+    # Consecutive groups that differ only in their layers share one row.
+    rows = _runs((g.group_id, f"{g.spec.kind:<15} {len(g.layer_names):>6} {g.block_size:>6} {g.blocks_per_state:>4} "
+                  f"{g.layers_per_slot:>4} {c.group_padding_layers(g):>4} {100 * c.group_padding_fraction(g):>5.1f}%",
+                  not g.shared_layer_names) for g in c.groups)
     for ids, key in rows:
         g = c.groups[ids[0]]
-        label = str(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}"
         extra = f" +shared {_names(g.shared_layer_names)}" if g.shared_layer_names else ""
         more = f" (+{len(ids) - 1} groups like it)" if len(ids) > 1 else ""
-        out.append(f"{label:>5}  {key}  {_names(g.layer_names)}{extra}{more}")
+        out.append(f"{_label(ids):>5}  {key}  {_names(g.layer_names)}{extra}{more}")
     out += [
         "",
         f"policies compared (same memory{' per device' if tp > 1 else ''}; max concurrent requests at "
@@ -171,14 +182,8 @@ def render_host(cap: dict) -> str:
                f"{cap['tokens']:,} cached tokens, {cap['naive_tokens'] and cap['tokens'] / cap['naive_tokens']:.1f}x "
                f"the {cap['naive_tokens']:,} of a tier that keeps every group's block for every token",
            f"{'group':>5}  {'type':<15} {'host B/token':>12} {'naive B/token':>13}"]
-    rows: list[tuple[list[int], str]] = []
-    for g in cap["groups"]:  # consecutive groups alike share one row
-        key = f"{g['kind']:<15} {g['bytes_per_token']:>12.1f} {g['naive_bytes_per_token']:>13.1f}"
-        if rows and rows[-1][1] == key:
-            rows[-1][0].append(g["group"])
-        else:
-            rows.append(([g["group"]], key))
-    for ids, key in rows:
-        out.append(f"{str(ids[0]) if len(ids) == 1 else f'{ids[0]}-{ids[-1]}':>5}  {key}")
+    for ids, key in _runs((g["group"], f"{g['kind']:<15} {g['bytes_per_token']:>12.1f} "
+                                       f"{g['naive_bytes_per_token']:>13.1f}", True) for g in cap["groups"]):
+        out.append(f"{_label(ids):>5}  {key}")
     out.append(f"{'all':>5}  {'':<15} {cap['bytes_per_token']:>12.1f} {cap['naive_bytes_per_token']:>13.1f}")
     return "\n".join(out)

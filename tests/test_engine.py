@@ -45,12 +45,13 @@ def tiny(name: str, seed: int = 0, kv_dtype: str = "float32") -> TinyLM:
     return TinyLM(TinyConfig.from_hf(resolve_model(name)[1], kv_dtype=kv_dtype), nnx.Rngs(seed))
 
 
-def dense_greedy(model: TinyLM, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy tokens and their logits from the uncached model (one padded length: one compile)."""
+def dense_greedy(model: TinyLM, prompt: list[int], n: int,
+                 max_len: int = MAX_LEN) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens and their logits from the uncached model (padded to ``max_len`` tokens: one compile)."""
     dense = jax.jit(model.dense)
     toks, logits = list(prompt), []
     for _ in range(n):
-        row = np.asarray(dense(jnp.asarray(toks + [0] * (MAX_LEN - len(toks))))[len(toks) - 1])
+        row = np.asarray(dense(jnp.asarray(toks + [0] * (max_len - len(toks))))[len(toks) - 1])
         logits.append(row)
         toks.append(int(row.argmax()))
     return toks[len(prompt):], logits

@@ -3,33 +3,14 @@ tokens, each group keeps only what its hits need, and bad sizes are refused at s
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from test_engine import dense_greedy, tiny
 
 from hkv_jax.allocator import host_tier
 from hkv_jax.engine import Engine, EngineConfig
-from hkv_jax.models.presets import resolve_model
-from hkv_jax.models.tiny import TinyConfig, TinyLM
 
 MAX_LEN = 128
-
-
-def tiny(name: str) -> TinyLM:
-    return TinyLM(TinyConfig.from_hf(resolve_model(name)[1]), nnx.Rngs(0))
-
-
-def dense_greedy(model: TinyLM, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy tokens and their logits from the uncached model (one padded length: one compile)."""
-    dense = jax.jit(model.dense)
-    toks, logits = list(prompt), []
-    for _ in range(n):
-        row = np.asarray(dense(jnp.asarray(toks + [0] * (MAX_LEN - len(toks))))[len(toks) - 1])
-        logits.append(row)
-        toks.append(int(row.argmax()))
-    return toks[len(prompt):], logits
 
 
 def serve_one(eng: Engine, prompt: list[int], new: int) -> tuple[list[int], list[np.ndarray], int]:
@@ -66,7 +47,7 @@ def test_hits_from_the_host_give_the_dense_models_tokens(name, policy, tmp_path)
     assert host_hits >= 0.3 * served, (host_hits, served)
     assert turn[2] >= 64  # the conversation's 74 tokens, cut to its 8-token unit... and one block more: 72
     for prompt, (tokens, logits, _) in zip(prompts + prompts + [chat], first + again + [turn]):
-        want, want_logits = dense_greedy(model, prompt, 4)
+        want, want_logits = dense_greedy(model, prompt, 4, MAX_LEN)
         assert tokens == want
         np.testing.assert_allclose(np.stack(logits), np.stack(want_logits), atol=1e-4, rtol=1e-4)
     usage = eng.host_usage()

@@ -30,6 +30,7 @@ cost of copying blocks the device never evicts.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -409,7 +410,6 @@ def available_host_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

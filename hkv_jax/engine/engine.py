@@ -266,7 +266,7 @@ class Engine:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block: a page of every shared tensor (a group's block, in the pool or the host tier)."""
-        return self.kv_cache_config.page_size_bytes * self.kv_cache_config.group_size
+        return self.kv_cache_config.bytes_per_block
 
     def host_usage(self) -> HostUsage | None:
         """What the host tier holds and has moved (read back from the device), ``None`` without one."""
