@@ -231,7 +231,9 @@ def test_demo_serves_and_reports(capsys):
     assert summary["requests"] == 5 and summary["generated_tokens"] == 5 * 16
     assert summary["prefix_cache_hit_rate"] > 0  # the shared system prompt and the turn history hit
     assert 0 < summary["ttft_ms_median"] <= summary["ttft_ms_p90"] and summary["tpot_ms_median"] > 0
-    assert summary["device_to_host_reads_per_step"] == 1.0
+    # One report read per program: a step each, or one for several decode steps when a step is quicker than
+    # --max-call-ms (so on a fast machine fewer reads than steps).
+    assert 0 < summary["device_to_host_reads_per_step"] <= 1.0
     # The plan and the new prompts only: far below one token matrix (8 requests x 256 tokens) per step.
     assert 0 < summary["host_to_device_bytes_per_step"] < 8 * 256 * 4 / 4
     assert 0 < summary["peak_kv_bytes"] < summary["naive_full_attention_kv_bytes"]
