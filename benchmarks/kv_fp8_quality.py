@@ -1,5 +1,7 @@
 """What an fp8 KV cache costs in quality on Gemma 3 270M: perplexity, next-token agreement and the worst logit
 error of a long text read through paged caches with fp8 (e4m3, scale 1) pages against reference pages.
+The fp8 pages' keys are centred as ``build_engine`` centres them (``hkv_jax.models.key_centre``, calibrated
+from its fixed text for the longest sequence read here); ``--no-centre``: plain rounding.
 
 The text (default: this repository's ``README.md`` and ``docs/*.md`` as of commit ``TEXT_COMMIT``, joined,
 so every run reads the same; ``--text FILE`` for another) is tokenised and cut to ``--tokens`` tokens. Its
@@ -191,28 +193,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=Path, default=PROMPTS,
                     help="a JSON file {\"prompts\": [{\"ids\": [...]}]} (default: the reference prompts)")
     ap.add_argument("--generate", type=int, default=32, help="greedy tokens per long prompt (0: none)")
+    ap.add_argument("--no-centre", action="store_true",
+                    help="plain rounding: no key centres (default: calibrated as build_engine does)")
     ap.add_argument("--layers", type=int, default=0, help="per-layer K/V rounding over this many tokens instead")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.tokens < 2 or a.chunk < 1 or a.generate < 0:
         ap.error("--tokens must be at least 2, --chunk positive and --generate at least 0")
     from hkv_jax.engine.factory import load_model
+    from hkv_jax.models.key_centre import calibrate_key_centres, calibration_ids
 
     model, codec = load_model(a.model, progress=not a.json)
     text = a.text.read_text() if a.text else default_text()
     ids = codec.encode(text) if codec else list(text.encode())  # a tiny model: bytes (its vocabulary is 256)
     if len(ids) < a.tokens:
         ap.error(f"the text has {len(ids)} tokens, fewer than --tokens {a.tokens}")
+    prompts = [p["ids"] for p in json.loads(a.prompts.read_text())["prompts"]] if a.generate else []
     if a.layers:
         if not hasattr(model, "embed_tokens"):
             ap.error("--layers reads a Gemma 3 model's layers")
         for row in layer_errors(model, ids[:a.layers]):
             print(json.dumps(row))
         return 0
-    row = {"bench": "kv_fp8_quality", "model": a.model, "chunk": a.chunk,
+    if not a.no_centre:  # as build_engine does, for the longest sequence read here
+        calibrate_key_centres(model, calibration_ids(codec), max([a.tokens, *(len(p) + a.generate for p in prompts)]))
+    row = {"bench": "kv_fp8_quality", "model": a.model, "chunk": a.chunk, "key_centres": not a.no_centre,
            **measure(model, ids[:a.tokens], a.ref, a.chunk, progress=not a.json)}
     if a.generate:
-        prompts = [p["ids"] for p in json.loads(a.prompts.read_text())["prompts"]]
         row |= greedy(model, prompts, a.generate, a.ref, a.chunk)
     print(json.dumps(row) if a.json else "\n".join(f"{k}: {v}" for k, v in row.items()))
     return 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from hkv_jax.engine import Engine, SamplingParams
-from hkv_jax.engine.factory import SERVE_DEFAULTS, check_engine_fields, engine_config
+from hkv_jax.engine.factory import SERVE_DEFAULTS, check_engine_fields, engine_config, engine_for
 from hkv_jax.engine.sampling_params import KNOBS
 from hkv_jax.models.pretrained import load_pretrained
 from hkv_jax.models.tokenizer import gemma_chat
@@ -63,7 +63,7 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
     ids = codec.encode(gemma_chat([{"role": "user", "content": prompt}]) if cfg.chat else prompt)
     config = engine_config(model, **{**GENERATE_DEFAULTS, **cfg.engine, "max_requests": 1,
                                      "max_model_len": len(ids) + cfg.max_new_tokens})
-    engine = Engine(model, config, detokenize=codec.decode)
+    engine = engine_for(model, codec, config, detokenize=codec.decode)
     rid = engine.add_request(ids, cfg.params(codec.eos_ids))
     load_s = time.perf_counter() - t0
     bar = None

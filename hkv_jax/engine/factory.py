@@ -13,6 +13,7 @@ from flax import nnx
 
 from hkv_jax.engine.config import EngineConfig
 from hkv_jax.engine.engine import Engine
+from hkv_jax.models.key_centre import calibrate_key_centres, calibration_ids
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.pretrained import INSTALL_HINT, is_pretrained, load_pretrained
 from hkv_jax.models.tiny import TinyConfig, TinyLM
@@ -109,4 +110,13 @@ def build_engine(cfg: ServeConfig, **options) -> tuple[Engine, object]:
     engine_args = {k: options.pop(k) for k in ("mesh", "detokenize") if k in options}
     if codec is not None:
         engine_args.setdefault("detokenize", codec.decode)
-    return Engine(model, engine_config(model, **{**cfg.engine_fields(), **options}), **engine_args), codec
+    return engine_for(model, codec, engine_config(model, **{**cfg.engine_fields(), **options}), **engine_args), codec
+
+
+def engine_for(model, codec, config: EngineConfig, **engine_args) -> Engine:
+    """``Engine(model, config, **engine_args)``, the model's key centres calibrated first when its pages are
+    fp8 (``hkv_jax.models.key_centre``: exact, and a smaller rounding error) from the fixed calibration text
+    in ``codec``'s tokens (``None``: a byte-level tiny model)."""
+    if config.kv_cache_dtype.startswith("fp8") and hasattr(model, "key_centre_inputs"):
+        calibrate_key_centres(model, calibration_ids(codec), config.max_model_len)
+    return Engine(model, config, **engine_args)

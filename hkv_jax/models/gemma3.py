@@ -26,6 +26,7 @@ from flax import nnx
 from hkv_jax.attention import AttentionMetadata, attention
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
+from hkv_jax.models.key_centre import KeyCentre, centred, shift_invariant
 from hkv_jax.models.layers import RMSNorm, capped, dense_attention, rope
 from hkv_jax.models.quant import two_rows_at_least
 from hkv_jax.spec import LayerSpec
@@ -98,6 +99,8 @@ class Attention(nnx.Module):
         self.o_proj = _linear(cfg.num_heads * d, h, cfg, rngs)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.param_dtype)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.param_dtype)
+        self.key_centre = (KeyCentre(jnp.zeros((cfg.num_kv_heads, d), jnp.float32))
+                           if shift_invariant(cfg.attn_soft_cap, None) else None)
 
     def _qkv(self, x, positions):
         cfg = self.cfg
@@ -105,6 +108,11 @@ class Attention(nnx.Module):
         k = self.k_norm(self.k_proj(x).reshape(-1, cfg.num_kv_heads, cfg.head_dim))
         v = self.v_proj(x).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         return rope(q, positions, self.theta), rope(k, positions, self.theta), v
+
+    @property
+    def rope_theta(self) -> float:
+        """The RoPE base of this layer's keys (``key_centre.position_average``)."""
+        return self.theta
 
     @property
     def scale(self) -> float:
@@ -122,6 +130,7 @@ class Attention(nnx.Module):
         """A ragged batch through the paged cache: KV write, then attention."""
         q, k, v = self._qkv(x, positions)
         dt = jnp.dtype(cache.layout.slot(self.name).spec.dtype)
+        k = centred(k, self.key_centre, dt)
         # Over bfloat16/float32 pages the attention runs in the pages' dtype; over fp8 pages in the model's:
         # the KV write rounds K/V (saturating), the kernels read the pages up to the queries' dtype, and the
         # queries and the output are not rounded.
@@ -198,6 +207,15 @@ class Gemma3LM(nnx.Module):
     def dense(self, tokens: jax.Array) -> jax.Array:
         """Logits ``f32[L, vocab]`` of one whole sequence, without any cache."""
         return self.logits(self.hidden(tokens))
+
+    def key_centre_inputs(self, tokens: jax.Array):
+        """Each attention layer with a key centre and its input over ``tokens``, uncached
+        (``key_centre.calibrate_key_centres``)."""
+        x = self._embed(tokens)
+        for layer in self.layers:
+            if layer.self_attn.key_centre is not None:
+                yield layer.self_attn, layer.input_layernorm(x)
+            x = layer.dense(x)
 
     def paged(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, metadata: AttentionMetadata,
               impl: str = "auto", sample_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:

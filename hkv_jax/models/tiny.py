@@ -31,6 +31,7 @@ from flax import nnx
 from hkv_jax.attention import AttentionMetadata, attention
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
+from hkv_jax.models.key_centre import KeyCentre, centred, shift_invariant
 from hkv_jax.models.layers import capped, dense_attention, rope
 from hkv_jax.models.mamba2 import Mamba2, Mamba2Config
 from hkv_jax.spec import LayerSpec
@@ -128,20 +129,26 @@ class Attention(nnx.Module):
         self.q_norm = nnx.RMSNorm(d, rngs=rngs) if cfg.qk_norm else None
         self.k_norm = nnx.RMSNorm(d, rngs=rngs) if cfg.qk_norm and self.owns_kv else None
         self.sinks = nnx.Param(jax.random.normal(rngs.params(), (cfg.num_heads,))) if cfg.sinks else None
+        centre = self.owns_kv and shift_invariant(cfg.attn_soft_cap, self.sinks)
+        self.key_centre = KeyCentre(jnp.zeros((self.kv_heads, d), jnp.float32)) if centre else None
+
+    @property
+    def rope_theta(self) -> float | None:
+        """The RoPE base of this layer's keys, ``None`` for a layer without RoPE."""
+        return self.cfg.rope_theta if not self.cfg.rope or self.cfg.rope[self.index] else None
 
     def _qkv(self, x, positions):
         """Queries, and keys and values (``None`` for a KV-sharing layer)."""
-        cfg, d = self.cfg, self.head_dim
-        rotate = not cfg.rope or cfg.rope[self.index]
+        cfg, d, theta = self.cfg, self.head_dim, self.rope_theta
         q = self.q(x).reshape(-1, cfg.num_heads, d)
         q = q if self.q_norm is None else self.q_norm(q)
-        q = rope(q, positions, cfg.rope_theta) if rotate else q
+        q = rope(q, positions, theta) if theta is not None else q
         if not self.owns_kv:
             return q, None, None
         raw = self.k(x).reshape(-1, self.kv_heads, d)
         v = raw if self.v_is_k else self.v(x).reshape(-1, self.kv_heads, d)  # keys as values: before norm and RoPE
         k = raw if self.k_norm is None else self.k_norm(raw)
-        return q, rope(k, positions, cfg.rope_theta) if rotate else k, v
+        return q, rope(k, positions, theta) if theta is not None else k, v
 
     def _sinks(self):
         return None if self.sinks is None else self.sinks[...]
@@ -151,6 +158,7 @@ class Attention(nnx.Module):
         by index (this layer adds its own; a KV-sharing layer reads its target's)."""
         q, k, v = self._qkv(x, jnp.arange(x.shape[0]))
         if self.owns_kv:  # rounded as the cache stores them (fp8, bf16; no-op for float32 pages)
+            k = centred(k, self.key_centre, self.kv_dtype)
             k, v = (to_page_dtype(t, self.kv_dtype).astype(t.dtype) for t in (k, v))
             kv[self.index] = k, v
         k, v = kv[self.cfg.kv_source(self.index)]
@@ -161,6 +169,8 @@ class Attention(nnx.Module):
 
     def paged(self, x, positions, cache: KVCache, metadata: AttentionMetadata, impl: str):
         q, k, v = self._qkv(x, positions)
+        if self.owns_kv:
+            k = centred(k, self.key_centre, cache.layout.slot(self.name).spec.dtype)
         out, cache = attention(self.name, q, k, v, cache, metadata, sinks=self._sinks(),
                                soft_cap=self.cfg.attn_soft_cap, impl=impl)
         return self.o(out.reshape(x.shape[0], -1)), cache
@@ -225,6 +235,15 @@ class TinyLM(nnx.Module):
     def dense(self, tokens: jax.Array) -> jax.Array:
         """Logits ``f32[L, vocab]`` of one whole sequence, without any cache."""
         return self.logits(self.hidden(tokens))
+
+    def key_centre_inputs(self, tokens: jax.Array):
+        """Each attention layer with a key centre and its input over ``tokens``, uncached
+        (``key_centre.calibrate_key_centres``)."""
+        x, kv = self._embed(tokens), {}
+        for b in self.blocks:
+            if isinstance(b.mixer, Attention) and b.mixer.key_centre is not None:
+                yield b.mixer, b.mixer_norm(x)
+            x = b.dense(x, kv)
 
     def dense_states(self, tokens: jax.Array, length: jax.Array | int | None = None
                      ) -> dict[str, tuple[jax.Array, jax.Array]]:

@@ -135,7 +135,7 @@ def build_gemma3(cfg: Gemma3Config, weights: Mapping[str, np.ndarray]) -> Gemma3
 
     Raises ``ValueError`` naming missing, unexpected or mis-shaped tensors."""
     abstract = nnx.eval_shape(lambda: Gemma3LM(cfg, nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)  # rest: the key centres, zeros until calibrated
     pure = nnx.to_pure_dict(state)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(pure)
     used, filled, problems = set(), [], []
@@ -157,7 +157,7 @@ def build_gemma3(cfg: Gemma3Config, weights: Mapping[str, np.ndarray]) -> Gemma3
     if problems:
         raise ValueError("weights do not fit the Gemma 3 config: " + "; ".join(problems[:8]))
     nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, filled))
-    return nnx.merge(graphdef, state)
+    return nnx.merge(graphdef, state, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), rest))
 
 
 def load_gemma3(path: str | Path, *, kv_dtype: str = "float32", param_dtype: str = "float32",
