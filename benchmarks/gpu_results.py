@@ -15,7 +15,9 @@ field:
   (``decode_profile_warm.json``);
 - ``projection``: ``config``, ``batch``, ``context``, ``measured_ms``, ``projected_ms``, from
   ``projection.json``;
-- ``parity``: ``model``, ``policy``, ``requests``, ``tokens_equal``, ``max_logit_err``, from ``parity.jsonl``.
+- ``parity``: ``model``, ``policy``, ``requests``, ``tokens_equal``, ``max_logit_err``, from ``parity.jsonl``;
+- ``host_copy``: ``model``, ``memory_kind``, ``blocks``, ``page_bytes``, ``down_us``, ``down_gb_per_s``,
+  ``up_us``, ``up_gb_per_s``: the host tier's in-step page copies, from ``host_copy.jsonl``.
 
 Run: ``python benchmarks/gpu_results.py OUTDIR [--commit SHA] [--into benchmarks/results]``.
 """
@@ -35,6 +37,8 @@ FIELDS = {
                        "top"),
     "projection": ("config", "program", "batch", "context", "measured_ms", "projected_ms", "measured_gb_per_s"),
     "parity": ("model", "policy", "impl", "requests", "tokens_equal", "max_logit_err", "all_freed", "error"),
+    "host_copy": ("model", "memory_kind", "blocks", "page_bytes", "down_us", "down_gb_per_s", "up_us",
+                  "up_gb_per_s"),
 }
 
 
@@ -72,6 +76,7 @@ def collect(out: Path) -> tuple[list[dict], str | None]:
     for r in _json_lines(out / "parity.jsonl"):
         rows.append(_pick("parity", r))
         device = device or r.get("device")
+    rows.extend(_pick("host_copy", r) for r in _json_lines(out / "host_copy.jsonl"))
     return rows, device
 
 

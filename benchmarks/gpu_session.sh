@@ -8,7 +8,8 @@
 #   2. the engine's parity workload on this GPU's kernels against the dense model;
 #   3. decode_profile: a Gemma 3 270M decode step (B=1, 1k): wall, GPU busy time, kernels a step, top kernels;
 #      run twice, the second with the first's compilation cache: the start, cold and warm;
-#   4. gpu_projection --measure: decode programs served and timed against their projected time.
+#   4. gpu_projection --measure: decode programs served and timed against their projected time;
+#   5. host_copy: the host tier's in-step page copies down and up, GB/s.
 # Then gpu_results.py writes benchmarks/results/<device>-<date>.json from what the steps wrote.
 # Usage (repo root): bash benchmarks/gpu_session.sh [OUTDIR]   (OUTDIR defaults to $OUT or /tmp/gpu_session)
 # SMOKE=1 runs every step at its smallest (CPU, interpret mode) to check the script before a GPU is lent.
@@ -32,6 +33,8 @@ if [ -n "$smoke" ]; then
   step parity.jsonl 120 python benchmarks/gpu_parity.py --smoke
   step decode_profile_cold.json 120 python benchmarks/decode_profile.py --smoke --json
   step decode_profile_warm.json 120 python benchmarks/decode_profile.py --smoke --json
+  step host_copy.jsonl 60 python benchmarks/host_copy.py --model tiny-gemma3 --blocks 2 --pool-blocks 8 \
+    --host-blocks 8 --repeats 1 --json
 else
   step attention_decode.jsonl 120 python benchmarks/attention_gpu.py --mode decode --batch 1,64,256 \
     --context 4096,32768 --page 16 --repeats 10 --json
@@ -46,6 +49,7 @@ else
     --context 1024 --calls 4 --json
   step projection.json 80 python benchmarks/gpu_projection.py --configs gemma-3-270m,llama-3.1-8b-like \
     --devices h200 --batches 1 --contexts 4096 --programs decode_steps --measure --json
+  step host_copy.jsonl 40 python benchmarks/host_copy.py --blocks 8,64,512 --repeats 10 --json
 fi
 python benchmarks/gpu_results.py "$out" --commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
   --into "$out/results"

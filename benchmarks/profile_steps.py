@@ -35,7 +35,7 @@ import jax
 from real_model import REFERENCE
 
 from hkv_jax.engine import Engine
-from hkv_jax.engine.factory import engine_config
+from hkv_jax.engine.factory import engine_config, engine_for
 from hkv_jax.models.pretrained import load_pretrained
 from hkv_jax.models.quant import QUANTIZE
 
@@ -71,12 +71,12 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-dir")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    model, _ = load_pretrained("gemma-3-270m", quantize=args.quantize, progress=not args.json)
+    model, codec = load_pretrained("gemma-3-270m", quantize=args.quantize, progress=not args.json)
     prompts = [p["ids"][:args.prompt_tokens] for p in json.loads(REFERENCE.read_text())["prompts"]]
-    engine = Engine(model, engine_config(model, max_model_len=args.prompt_tokens + 200, max_requests=args.concurrency,
-                                         token_budget=args.token_budget, decode_steps=args.decode_steps,
-                                         max_top_logprobs=args.top_logprobs, kv_cache_dtype=args.kv_cache_dtype,
-                                         host_cache_bytes=args.host_cache))
+    engine = engine_for(model, codec, engine_config(
+        model, max_model_len=args.prompt_tokens + 200, max_requests=args.concurrency, token_budget=args.token_budget,
+        decode_steps=args.decode_steps, max_top_logprobs=args.top_logprobs, kv_cache_dtype=args.kv_cache_dtype,
+        host_cache_bytes=args.host_cache))
     for i in range(args.concurrency):
         engine.add_request(prompts[i % len(prompts)], 200, top_logprobs=args.top_logprobs)
     fresh = True  # until a step compiles nothing: compiles would swamp the trace

@@ -19,7 +19,7 @@ def test_gpu_session_smoke_runs_every_step_and_writes_the_results_file(tmp_path)
                           text=True, timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = (tmp_path / "steps.txt").read_text().splitlines()
-    assert len(steps) == 4 and all(": exit 0 after" in line for line in steps), steps
+    assert len(steps) == 5 and all(": exit 0 after" in line for line in steps), steps
     # attention_gpu.py checked and timed every implementation; the split kernel says into how many runs.
     log = (tmp_path / "attention_decode.jsonl.log").read_text()
     assert "WRONG" not in log and "cannot run" not in log, log[-2000:]
@@ -41,6 +41,9 @@ def test_gpu_session_smoke_runs_every_step_and_writes_the_results_file(tmp_path)
     assert profile["config"] == "tiny-gptoss" and profile["step_ms"] > 0 and profile["gpu_busy_ms"] is None
     [start] = by["startup"]
     assert 0 < start["warm_s"] and 0 < start["cold_s"]
+    # host_copy.py moved pages both ways (it checks a moved page) and timed them.
+    [copy] = by["host_copy"]
+    assert copy["blocks"] == 2 and copy["down_gb_per_s"] > 0 and copy["up_gb_per_s"] > 0
 
 
 def test_decode_profile_reads_device_busy_time_and_kernels_from_a_trace():
