@@ -11,8 +11,7 @@ from flax import nnx
 
 from hkv_jax.engine.config import EngineConfig
 from hkv_jax.engine.factory import engine_for, load_model
-from hkv_jax.models.key_centre import (KeyCentre, calibrate_key_centres, calibration_ids, centred,
-                                       position_average)
+from hkv_jax.models.key_centre import KeyCentre, calibrate_key_centres, calibration_ids, centred, position_average
 from hkv_jax.models.layers import dense_attention
 from kernels_pallas.reference import to_page_dtype
 

@@ -39,8 +39,9 @@ class EngineConfig:
     them out of the step). ``max_logit_bias``: the most logit-bias entries a request may carry (its
     ``logit_bias``, plus one per stop token under ``min_tokens``; 0 leaves them out of the plan).
 
-    ``kv_cache_dtype``: the attention layers' KV cache dtype, by vLLM's names (``"fp8"``: e4m3 pages, scale 1, keys
-    centred: ``hkv_jax.models.key_centre``; ``"bfloat16"``, ``"float32"`` ...; ``"auto"``: the model's); Mamba states keep theirs.
+    ``kv_cache_dtype``: the attention layers' KV cache dtype, by vLLM's names (``"fp8"``: e4m3 pages, scale 1,
+    keys centred: ``hkv_jax.models.key_centre``; ``"bfloat16"``, ``"float32"`` ...; ``"auto"``: the model's);
+    Mamba states keep theirs.
 
     ``host_cache_bytes``: bytes of host memory (CPU RAM) for the host tier behind the prefix cache
     (``hkv_jax.allocator.host_tier``; 0: none): blocks the device cache enters are copied down in the step

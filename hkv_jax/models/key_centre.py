@@ -12,11 +12,11 @@ have key channels with a large, steady mean (after ``k_norm``): in Gemma 3 270M 
 typical key entry is under 5. Their rounding error dominates the score error; centring removes most of it.
 A scale cannot do that: it moves e4m3's range, not its relative precision.
 
-The centre is the keys' mean before RoPE over a calibration text (its first token left out), rotated to every position of
-``[0, max_len)`` and averaged (``position_average``): channels that rotate fast average to 0, the slow
-ones keep their mean. It is calibrated once, from a fixed text (``CALIBRATION_TEXT``, so two runs and two
-engines agree), by ``calibrate_key_centres``; ``build_engine`` does it for ``kv_cache_dtype="fp8"``. A
-model never calibrated centres nothing (``c = 0``: plain rounding). The perplexity figures are in
+The centre is the keys' mean before RoPE over a calibration text (its first token left out), rotated to
+every position of ``[0, max_len)`` and averaged (``position_average``): channels that rotate fast average
+to 0, the slow ones keep their mean. It is calibrated once, from a fixed text (``CALIBRATION_TEXT``, so
+two runs and two engines agree), by ``calibrate_key_centres``; ``factory.engine_for`` does it for an fp8
+cache. A model never calibrated centres nothing (``c = 0``: plain rounding). The perplexity figures are in
 ``benchmarks/README.md`` (``kv_fp8_quality.py``).
 """
 
