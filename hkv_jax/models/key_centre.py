@@ -8,9 +8,10 @@ change to them. Two exceptions: a soft cap (``tanh`` is not shift-invariant) and
 logit does not move with the keys); layers of models with either keep ``c = 0``.
 
 Why it helps: e4m3 keeps 3 mantissa bits, so a value's rounding error grows with its size. Gemma-like models
-have key channels with a large, steady mean (after ``k_norm``): in Gemma 3 270M some sit near 30 while the
-typical key entry is under 5. Their rounding error dominates the score error; centring removes most of it.
-A scale cannot do that: it moves e4m3's range, not its relative precision.
+have key channels with a large, steady mean (after ``k_norm``): in Gemma 3 270M some sit near 30, while
+under 5% of all key entries pass 16. Their rounding error dominates the score error; on Gemma 3 270M
+centring cuts fp8's perplexity cost by a third. A scale cannot do that: it moves e4m3's range, not its
+relative precision.
 
 The centre is the keys' mean before RoPE over a calibration text (its first token left out), rotated to
 every position of ``[0, max_len)`` and averaged (``position_average``): channels that rotate fast average
