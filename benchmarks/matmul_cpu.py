@@ -8,7 +8,8 @@ warm-up call) of
 - ``int8 unpadded``: the bare one-row int8 product, without that padding, to show why it pads.
 
 Shapes: the output projection ``[R, 640] x [640, 262144]`` and an MLP input ``[R, 640] x [640, 2048]``.
-Run: ``python benchmarks/matmul_cpu.py [--rows 1,2,8,32,128] [--repeats 7] [--json]``.
+Run: ``python benchmarks/matmul_cpu.py [--rows 1,2,8,32,128] [--repeats 7] [--shapes "mlp up"] [--json]``; the
+suite runs ``--shapes "mlp up" --rows 1,2 --repeats 1``.
 """
 
 from __future__ import annotations
@@ -48,11 +49,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,8,32,128")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    shapes = args.shapes.split(",")
+    if not set(shapes) <= set(SHAPES) or args.repeats < 1:
+        ap.error(f"--shapes takes {', '.join(SHAPES)}; --repeats must be positive")
     rng = np.random.default_rng(0)
     rows = []
-    for name, (k, n) in SHAPES.items():
+    for name, (k, n) in ((name, SHAPES[name]) for name in shapes):
         w = jnp.asarray(rng.standard_normal((k, n), np.float32))
         q = jnp.asarray(rng.integers(-127, 128, (n, k)).astype(np.int8))  # [out, in], as Int8Linear stores it
         scale = jnp.ones((n,), jnp.float32)

@@ -12,6 +12,9 @@ overlap when it runs thunks side by side, so their sum can exceed the wall time.
 
 ``--host-cache BYTES``: a host tier of that size (``EngineConfig.host_cache_bytes``).
 
+``--model tiny-gemma3`` (or another tiny preset: random weights, the prompts' ids modulo its vocabulary) is
+the smallest mode the suite runs.
+
 ``--top-logprobs N``: every request asks for its ``N`` likeliest tokens per step
 (``Engine(max_top_logprobs=N)``), the cost of a ``top_k`` over the vocabulary.
 
@@ -35,8 +38,7 @@ import jax
 from real_model import REFERENCE
 
 from hkv_jax.engine import Engine
-from hkv_jax.engine.factory import engine_config, engine_for
-from hkv_jax.models.pretrained import load_pretrained
+from hkv_jax.engine.factory import engine_config, engine_for, load_model
 from hkv_jax.models.quant import QUANTIZE
 
 
@@ -57,6 +59,7 @@ def op_times(trace_dir: str) -> collections.Counter:
 def main(argv=None) -> int:
     """Trace and print (``--json``: one JSON object)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gemma-3-270m", help="gemma-3-270m (default) or a tiny preset")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--token-budget", type=int, default=256)
@@ -71,8 +74,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-dir")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    model, codec = load_pretrained("gemma-3-270m", quantize=args.quantize, progress=not args.json)
-    prompts = [p["ids"][:args.prompt_tokens] for p in json.loads(REFERENCE.read_text())["prompts"]]
+    model, codec = load_model(args.model, quantize=args.quantize, progress=not args.json)
+    vocab = model.cfg.vocab_size
+    prompts = [[t % vocab for t in p["ids"][:args.prompt_tokens]] for p in json.loads(REFERENCE.read_text())["prompts"]]
     engine = engine_for(model, codec, engine_config(
         model, max_model_len=args.prompt_tokens + 200, max_requests=args.concurrency, token_budget=args.token_budget,
         decode_steps=args.decode_steps, max_top_logprobs=args.top_logprobs, kv_cache_dtype=args.kv_cache_dtype,
@@ -96,8 +100,8 @@ def main(argv=None) -> int:
     if Engine.compilations() != compiled:
         print("warning: the traced steps compiled a program (raise --warm-up)", file=sys.stderr)
     ops = sorted(op_times(trace_dir).items(), key=lambda kv: -kv[1][0])
-    result = {"concurrency": args.concurrency, "decode_steps": args.decode_steps, "quantize": args.quantize,
-              "kv_cache_dtype": args.kv_cache_dtype, "prompt_tokens": args.prompt_tokens,
+    result = {"model": args.model, "concurrency": args.concurrency, "decode_steps": args.decode_steps,
+              "quantize": args.quantize, "kv_cache_dtype": args.kv_cache_dtype, "prompt_tokens": args.prompt_tokens,
               "top_logprobs": args.top_logprobs,
               "steps": n, "wall_ms_per_step": round(wall / n * 1e3, 1),
               "ops": [{"kind": k, "ms_per_step": round(ns / n / 1e6, 2), "events_per_step": round(c / n, 1)}

@@ -229,3 +229,27 @@ def test_fp8_quality_benchmark_reads_one_text_through_fp8_and_reference_pages(tm
     assert row["prompts"] == [40, 42] and row["generated"] == 4 and len(row["first_difference"]) == 2
     assert row["greedy_agreement"] == sum(4 if d is None else d for d in row["first_difference"]) / 8
     assert abs(math.log(row["ppl_fp8"] / row["ppl_ref"])) < math.log(1.5)
+
+
+def test_matmul_benchmark_times_float32_and_int8_products(capsys):
+    """``matmul_cpu.py`` in its smallest mode: one shape, two row counts, one timed call each."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import matmul_cpu
+
+    assert matmul_cpu.main(["--shapes", "mlp up", "--rows", "1,2", "--repeats", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["shape"], r["rows"]) for r in rows] == [("mlp up", 1), ("mlp up", 2)]
+    assert all(r["float32_ms"] > 0 and r["int8_ms"] > 0 for r in rows) and rows[0]["int8_unpadded_ms"] > 0
+
+
+def test_profile_steps_traces_decode_steps_by_operation_kind(capsys):
+    """``profile_steps.py`` in its smallest mode (tiny-gemma3, one request): a trace of a decode step summed by
+    operation kind (about 20 s, the step programs' compiles)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import profile_steps
+
+    assert profile_steps.main(["--model", "tiny-gemma3", "--concurrency", "1", "--prompt-tokens", "8",
+                               "--token-budget", "16", "--warm-up", "1", "--steps", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"] == "tiny-gemma3" and result["steps"] >= 1 and result["wall_ms_per_step"] > 0
+    assert result["ops"] and all(op["ms_per_step"] >= 0 and op["events_per_step"] > 0 for op in result["ops"])
