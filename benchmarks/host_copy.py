@@ -53,7 +53,8 @@ def timed(fn, src, dst, copies, repeats: int):
     return statistics.median(times), dst
 
 
-def measure(args) -> list[dict]:
+def measure(args) -> None:
+    """Time the copies of every ``--blocks`` count and print a row each."""
     kind = host_memory_kind()
     config = plan(model_layers(args.model), block_size=args.block_size, num_blocks=args.pool_blocks)
     device = random_pages(init_cache(config).buffers, args.pool_blocks, None, seed=0)
@@ -61,7 +62,6 @@ def measure(args) -> list[dict]:
     page_bytes = sum(b.shape[1] * b.dtype.itemsize for b in device)
     down = jax.jit(lambda s, d, c: copy_pages(s, d, c, kind, to_host=True), donate_argnums=1)
     up = jax.jit(lambda s, d, c: copy_pages(s, d, c, kind, to_host=False), donate_argnums=1)
-    rows = []
     for k in args.blocks:
         if k >= min(args.pool_blocks, args.host_blocks):
             raise SystemExit(f"--blocks {k}: more than the pool ({args.pool_blocks}) or the tier "
@@ -76,14 +76,12 @@ def measure(args) -> list[dict]:
         for label, seconds in (("down", seconds_down), ("up", seconds_up)):
             row[f"{label}_us"] = round(seconds * 1e6, 1)
             row[f"{label}_gb_per_s"] = float(f"{k * page_bytes / seconds / 1e9:.4g}")
-        rows.append(row)
         if args.json:  # a row a line as measured, so a run cut short keeps what it measured
             print(json.dumps(row), flush=True)
         else:
             print(f"{k:>5} blocks ({k * page_bytes / 2**20:.2f} MiB): down {row['down_us']:>9.1f} us "
                   f"{row['down_gb_per_s']:>7.2f} GB/s, up {row['up_us']:>9.1f} us {row['up_gb_per_s']:>7.2f} GB/s",
                   flush=True)
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

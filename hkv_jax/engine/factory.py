@@ -13,11 +13,13 @@ from flax import nnx
 
 from hkv_jax.engine.config import EngineConfig
 from hkv_jax.engine.engine import Engine
+from hkv_jax.models.hf_config import KV_CACHE_DTYPES
 from hkv_jax.models.key_centre import calibrate_key_centres, calibration_ids
 from hkv_jax.models.presets import resolve_model
 from hkv_jax.models.pretrained import INSTALL_HINT, is_pretrained, load_pretrained
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 from hkv_jax.planner import plan
+from kernels_pallas.reference import is_fp8
 
 TINY_MODELS = ("tiny-gemma3", "tiny-gemma4", "tiny-gptoss", "tiny-llama4", "tiny-jamba")
 DEFAULT_REAL, DEFAULT_TINY = "gemma-3-270m", "tiny-gemma3"
@@ -117,6 +119,6 @@ def engine_for(model, codec, config: EngineConfig, **engine_args) -> Engine:
     """``Engine(model, config, **engine_args)``, the model's key centres calibrated first when its pages are
     fp8 (``hkv_jax.models.key_centre``: exact, and a smaller rounding error) from the fixed calibration text
     in ``codec``'s tokens (``None``: a byte-level tiny model)."""
-    if config.kv_cache_dtype.startswith("fp8") and hasattr(model, "key_centre_inputs"):
+    if is_fp8(KV_CACHE_DTYPES[config.kv_cache_dtype] or "float32") and hasattr(model, "key_centre_inputs"):
         calibrate_key_centres(model, calibration_ids(codec), config.max_model_len)
     return Engine(model, config, **engine_args)
