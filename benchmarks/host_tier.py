@@ -4,7 +4,7 @@ Serves two workloads on tiny random-weight models of three kinds (``tiny-gemma3`
 groups to 1 full, like Gemma 3; ``tiny-gemma4``: sliding and full groups of two block sizes, KV sharing;
 ``tiny-jamba``: Mamba + full), each with a device pool at about 15% of the workload's working set (the
 blocks that would hold every request's prefix), once without a host tier and once with one of 8x the
-device pool (``EngineConfig.host_cache_bytes``):
+device pool (``EngineConfig.host_cache_bytes``; ``--host-factor``):
 
 - ``chat``: ``--conversations`` chats of ``--turns`` turns, ``--concurrency`` at a time; each turn's prompt
   is the conversation so far plus a new question (the multi-turn chat of ``window_eviction.py``, served);
@@ -12,9 +12,11 @@ device pool (``EngineConfig.host_cache_bytes``):
   each the document plus its own short task, cycling over the documents.
 
 Per model and workload it prints: the prefix-cache hit rate (hit tokens over prompt tokens) and the tokens
-computed for prompts, with and without the tier; the host bytes the tier holds per cached token (its
-used bytes over the prefix tokens its full-attention blocks cover) against a naive tier that keeps every
-group's block for every token; the median step time on and off (every step of the run, on this CPU).
+computed for prompts, with and without the tier; the host bytes the tier keeps per cached token (its
+kept bytes, ``HostUsage.kept_bytes``, over the prefix tokens its full-attention blocks cover; with the
+superseded blocks it still holds until room is needed: ``host_used_bytes_per_token``) against a naive tier
+that keeps every group's block for every token; the median step time on and off (every step of the run, on
+this CPU).
 ``--json`` prints ``{"rows": [...]}``, one row per model and workload.
 
 Run: ``python benchmarks/host_tier.py [--models tiny-gemma3,tiny-gemma4,tiny-jamba] [--json]``
@@ -107,7 +109,7 @@ def measure(name: str, workload: str, args) -> dict:
     """One row: the workload served without and with a host tier."""
     model = TinyLM(TinyConfig.from_hf(resolve_model(name)[1]), nnx.Rngs(0))
     off = engine(model, name, workload, args, 0)
-    on = engine(model, name, workload, args, HOST_FACTOR * (off.config.num_blocks - 1))
+    on = engine(model, name, workload, args, int(args.host_factor * (off.config.num_blocks - 1)))
     result = {}
     for label, eng in (("off", off), ("on", on)):
         if not args.json:
@@ -129,7 +131,8 @@ def measure(name: str, workload: str, args) -> dict:
             "hit_rate_device_only": round(result["off"]["hit_rate"], 3),
             "prefill_tokens": result["on"]["prefill_tokens"],
             "prefill_tokens_device_only": result["off"]["prefill_tokens"],
-            "host_bytes_per_token": round(usage.used_bytes / max(covered, 1), 1),
+            "host_bytes_per_token": round(usage.kept_bytes / max(covered, 1), 1),
+            "host_used_bytes_per_token": round(usage.used_bytes / max(covered, 1), 1),
             "naive_host_bytes_per_token": round(naive, 1),
             "host_hit_tokens": usage.hit_tokens, "bytes_down": usage.bytes_down, "bytes_up": usage.bytes_up,
             "step_ms_on": round(result["on"]["step_ms"], 2), "step_ms_off": round(result["off"]["step_ms"], 2)}
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--token-budget", type=int, default=128)
+    ap.add_argument("--host-factor", type=float, default=HOST_FACTOR,
+                    help="host tier size in device pools (a smaller tier fills: what it keeps then counts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)

@@ -104,3 +104,17 @@ def test_pops_after_releases_match_one_request_after_another(seed):
     front = [int(b) for c in range(B * calls - 1, -1, -1) for b, k in zip(blocks[c], kept[c]) if k]
     assert front == queue
     assert np.array_equal(np.asarray(got.release.now_free), (blocks > 0) & ~(to_front & ~kept))
+
+
+def test_move_behind_puts_blocks_after_the_marked_ones_and_keeps_the_rest_in_order():
+    # Queue 1..9; block 5 taken out (a hole); 2, 7 marked ahead; 8, 3 moved behind them, in that order.
+    pool = free_queue.touch(free_queue.init_free_queue(10), jnp.array([5]))
+    ahead = jnp.zeros(10, bool).at[jnp.array([2, 7])].set(True)
+    moved = free_queue.move_behind(pool, ahead, jnp.array([8, 3, 0, 0], jnp.int32))
+    assert free_queue.queue_order(moved) == [2, 7, 8, 3, 1, 4, 6, 9]
+    assert int(moved.num_free) == 8
+    # The positions agree with the queue: popping takes the head, and every block keeps its place.
+    moved, ids = free_queue.pop_free(moved, jnp.int32(3), 4)
+    assert ids.tolist()[:3] == [2, 7, 8] and free_queue.queue_order(moved) == [3, 1, 4, 6, 9]
+    moved = free_queue.touch(moved, jnp.array([4]))
+    assert free_queue.queue_order(moved) == [3, 1, 6, 9]

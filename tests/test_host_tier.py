@@ -8,6 +8,7 @@ import pytest
 from test_engine import dense_greedy, tiny
 
 from hkv_jax.allocator import host_tier
+from hkv_jax.allocator.free_queue import queue_order
 from hkv_jax.engine import Engine, EngineConfig
 
 MAX_LEN = 128
@@ -26,8 +27,9 @@ def serve_one(eng: Engine, prompt: list[int], new: int) -> tuple[list[int], list
 
 # A device pool of 43 blocks holds about one 70-token request of tiny-gemma3's six groups (8-token blocks):
 # serving four of them evicts the earlier ones, so the second round's hits come from the host. The second
-# round repeats the prompts (the window before the prompt's end went down as it was computed) and then
-# continues the first conversation (the window before its end went down when it was released).
+# round repeats the prompts (the window before the prompt's end went down as it was computed; the release
+# superseded it, but it stays until room is needed) and then continues the first conversation (the window
+# before its end went down when it was released).
 @pytest.mark.parametrize("name,policy", [("tiny-gemma3", "vllm"), ("tiny-jamba", "min-waste")])
 def test_hits_from_the_host_give_the_dense_models_tokens(name, policy, tmp_path):
     model = tiny(name)
@@ -39,6 +41,16 @@ def test_hits_from_the_host_give_the_dense_models_tokens(name, policy, tmp_path)
     assert eng.stats.cache_hit_tokens == 0
     down = eng.host_usage().blocks_down
     assert down > 0
+    # Each release superseded the window (or state) before its prompt's end: a next turn hits at the
+    # request's end. Those blocks wait right behind the empty host blocks, and still serve the repeats below.
+    host, G = eng.state.host, eng.layout.num_groups
+    superseded = np.flatnonzero(np.asarray(host.superseded)).tolist()
+    assert eng.host_usage().superseded_blocks == len(superseded) > 0
+    slot = np.asarray(host.pool.prefix_cache.block_slot)
+    assert not any(eng.layout.groups[s % G].spec.keeps_every_token for s in slot[superseded])
+    lru = queue_order(host.pool.free_queue)
+    empty = sum(int(slot[b] < 0) for b in lru)
+    assert empty > 0 and sorted(lru[empty:empty + len(superseded)]) == superseded
     again = [serve_one(eng, p, 4) for p in prompts]
     chat = prompts[0] + first[0][0] + [int(t) for t in rng.integers(0, 256, 20)]
     turn = serve_one(eng, chat, 4)

@@ -3,14 +3,15 @@ models drive the jitted allocator (``KVCacheManager``) and the plain-Python mode
 side. After every step the two must agree (results, free-queue order, ref counts, tables, cached blocks) and
 the pool invariants of SEMANTICS.md must hold. Half the runs add a small host tier on both sides
 (``host_tier`` and ``PyHostTier``): restores before first schedules, stores after schedules and before
-releases; its LRU order and the key each host block holds must agree too. Set HKV_HYPOTHESIS_PROFILE=nightly
-for a longer run.
+releases; its LRU order, the key each host block holds and the blocks a release superseded must agree
+too. Set HKV_HYPOTHESIS_PROFILE=nightly for a longer run.
 """
 
 import copy
 import os
 
 import jax
+import numpy as np
 from conftest import HYBRID_MODELS, MIXED_MODELS
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -58,8 +59,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         cfg = plan(MODELS[model], block_size=BS, policy=POLICY.get(model, "vllm"), num_blocks=NUM_BLOCKS.get(model, 10))
         self.mamba = any(isinstance(s, MambaSpec) for s in MODELS[model])  # Mamba layers do not speculate
         self.alloc = PyAllocator(cfg, max_model_len=48)
-        # A host unit of two scheduling units: hits on the host end on its multiples or at a prompt's end.
-        unit = 2 * cfg.scheduler_block_size
+        # A host unit of three scheduling units: hits on the host end on its multiples or at a prompt's or
+        # request's end; a 6-token window (two blocks) leaves a block in three to an end alone.
+        unit = 3 * cfg.scheduler_block_size
         self.jax = KVCacheManager(cfg, max_model_len=48, max_requests=MAX_REQUESTS,
                                   host_blocks=HOST_BLOCKS if host else 0, host_unit=unit)
         if host:
@@ -203,10 +205,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         for b, key in enumerate(a.hash):
             if key is not None:
                 self.keys[key[0]] = tuple(keys[block_slot[b] // G].tolist())
-        host_pool, host_slot, host_keys = jax.device_get((self.jax.host.pool.free_queue,
-                                                          self.jax.host.pool.prefix_cache.block_slot,
-                                                          self.jax.host.pool.prefix_cache.keys))
+        host_pool, host_slot, host_keys, superseded = jax.device_get((self.jax.host.pool.free_queue,
+                                                                      self.jax.host.pool.prefix_cache.block_slot,
+                                                                      self.jax.host.pool.prefix_cache.keys,
+                                                                      self.jax.host.superseded))
         assert queue_order(host_pool) == self.host.lru
+        assert set(np.flatnonzero(superseded).tolist()) == self.host.superseded
         for hb, key in enumerate(self.host.key):
             assert (host_slot[hb] >= 0) == (key is not None), hb
             if key is not None:

@@ -112,6 +112,26 @@ def compact(pool: FreeBlockQueue) -> FreeBlockQueue:
     return replace(pool, queue=queue, pos=pos, head=jnp.int32(0), tail=pool.num_free)
 
 
+def move_behind(pool: FreeBlockQueue, ahead: jax.Array, blocks: jax.Array) -> FreeBlockQueue:
+    """The queue with the free blocks ``blocks`` (``i32[K]``, distinct, 0 = none) moved, in that order, right
+    behind the free blocks ``ahead`` marks (``bool[num_blocks]``, by block id; none of ``blocks``); the others
+    keep their order after them. Compacted on the way (O(num_blocks))."""
+    n = pool.num_blocks
+    head, span = _span(pool)
+    lanes = jnp.arange(n)
+    entries = jnp.where(lanes < span, pool.queue[(head + lanes) % n], 0)
+    moved = jnp.zeros(n, bool).at[blocks].set(blocks > 0)
+    first = (entries > 0) & ahead[entries]
+    rest = (entries > 0) & ~first & ~moved[entries]
+    lead, count = jnp.sum(first, dtype=jnp.int32), jnp.sum(blocks > 0, dtype=jnp.int32)
+    at = jnp.where(first, running_count(first) - 1, jnp.where(rest, lead + count + running_count(rest) - 1, n))
+    at_moved = jnp.where(blocks > 0, lead + jnp.arange(blocks.shape[0]), n)   # ``blocks`` are 0-padded at the end
+    queue = jnp.zeros(n, jnp.int32).at[at].set(entries, mode="drop").at[at_moved].set(blocks, mode="drop")
+    pos = pool.pos.at[jnp.where(at < n, entries, n)].set(at, mode="drop")
+    pos = pos.at[jnp.where(blocks > 0, blocks, n)].set(at_moved, mode="drop")
+    return replace(pool, queue=queue, pos=pos, head=jnp.int32(0), tail=pool.num_free)
+
+
 class PopPlan(NamedTuple):
     """Which queue entries a pop takes (``pop_plan``); applied by ``pop_apply``."""
 

@@ -10,9 +10,9 @@ host unit (``HostTier.unit``, a multiple of the scheduling unit), or where a pro
 block goes down in the step that computes it when a hit ending on a unit multiple needs it
 (``Layout.host_reachable``: every block of full attention, the window before each multiple for a sliding
 window, one Mamba state per unit) or a hit on the whole prompt does; and before a request is released, what
-a hit ending where its cached prefix ends needs (its last window, its state: ``released_blocks``). So a
-hybrid model's host bytes per token are what its groups' hits need, never every group's block for every
-token.
+a hit ending where its cached prefix ends needs (its last window, its state: ``released_blocks``), while
+the earlier end windows of its prefix go to the LRU's head (``supersede``). So a hybrid model's host bytes
+per token are what its groups' hits need, never every group's block for every token.
 
 A step runs the two halves around the model's forward, each one gather and one scatter of pages:
 
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compute_on import compute_on
 
-from hkv_jax.allocator import block_pool, prefix_cache
+from hkv_jax.allocator import block_pool, free_queue, prefix_cache
 from hkv_jax.allocator.coordinator import cacheable_tokens, group_blocks, group_hashes, lookup
 from hkv_jax.allocator.managers import hit_blocks
 from hkv_jax.allocator.state import WAITING, AllocatorState, Layout
@@ -61,6 +61,9 @@ class HostTier:
         (``memory_kind``): host block ``b`` holds page ``b`` of each, as device block ``b`` does.
       counters: ``i32[3]`` since start (``COUNTERS``): tokens of hits the host served, blocks copied down,
         blocks copied up.
+      superseded: ``bool[num_blocks]``: blocks holding an end window or state that a later release of the same
+        prefix superseded (``supersede``): they sit at the LRU's head (behind empty blocks), the first to be
+        evicted, and still serve hits until then; a hit or a store clears the flag.
       copy_up, copy_down (static): the most blocks a step copies up / down (``init_host_tier``).
       unit (static): the host unit in tokens, a multiple of the scheduling unit: as blocks are computed,
         the tier keeps what hits ending on its multiples need (``Layout.host_reachable``).
@@ -70,6 +73,7 @@ class HostTier:
     pool: block_pool.BlockPool
     buffers: tuple[jax.Array, ...]
     counters: jax.Array
+    superseded: jax.Array
     copy_up: int = field(metadata=dict(static=True), default=0)
     copy_down: int = field(metadata=dict(static=True), default=0)
     unit: int = field(metadata=dict(static=True), default=0)
@@ -146,8 +150,8 @@ def init_host_tier(layout: Layout, buffers_like: tuple[jax.Array, ...], num_bloc
 
     up, down = copy_sizes(layout, token_budget)
     return HostTier(block_pool.init_block_pool(num_blocks, layout.num_groups),
-                    tuple(zeros(b) for b in buffers_like), jnp.zeros(len(COUNTERS), jnp.int32), up, down, unit,
-                    memory_kind)
+                    tuple(zeros(b) for b in buffers_like), jnp.zeros(len(COUNTERS), jnp.int32),
+                    jnp.zeros(num_blocks, bool), up, down, unit, memory_kind)
 
 
 def _count(host: HostTier, **added) -> jax.Array:
@@ -180,8 +184,9 @@ def _found(cache: prefix_cache.PrefixCache, hashes: jax.Array) -> jax.Array:
 
 
 def _restore_one(layout: Layout, slot, carry):
-    """``restore`` for the waiting request in ``slot``; ``carry = (alloc, pool, counters, src, dst, used)``."""
-    alloc, pool, counters, src, dst, used = carry
+    """``restore`` for the waiting request in ``slot``; ``carry = (alloc, pool, counters, superseded, src, dst,
+    used)``."""
+    alloc, pool, counters, superseded, src, dst, used = carry
     G, N = layout.num_groups, layout.num_blocks
     K = src.shape[0]
     hashes = alloc.hashes[slot]
@@ -215,7 +220,8 @@ def _restore_one(layout: Layout, slot, carry):
         hp = block_pool.free_blocks(block_pool.touch(pool, host_blocks), host_blocks[order])  # to the LRU's back
         pos = jnp.where(lane, used + jnp.arange(K), K)
         return (replace(alloc, block_pool=bp, step_cached=step_cached), hp, counters.at[0].add(h - h_dev),
-                src.at[pos].set(host_blocks[flat_at], mode="drop"), dst.at[pos].set(new, mode="drop"), used + count)
+                superseded.at[host_blocks].set(False), src.at[pos].set(host_blocks[flat_at], mode="drop"),
+                dst.at[pos].set(new, mode="drop"), used + count)
 
     return jax.lax.cond(ok, apply, lambda _: carry, None)
 
@@ -233,15 +239,16 @@ def restore(layout: Layout, alloc: AllocatorState, host: HostTier, slots: jax.Ar
     lanes = mask & (alloc.status[slots] == WAITING)
     order = jnp.nonzero(lanes, size=slots.shape[0], fill_value=0)[0]
     zeros = jnp.zeros(K, jnp.int32)
-    carry = (alloc, host.pool, host.counters, zeros, zeros, jnp.int32(0))
-    alloc, pool, counters, src, dst, used = jax.lax.fori_loop(
+    carry = (alloc, host.pool, host.counters, host.superseded, zeros, zeros, jnp.int32(0))
+    alloc, pool, counters, superseded, src, dst, used = jax.lax.fori_loop(
         0, jnp.sum(lanes, dtype=jnp.int32), lambda i, c: _restore_one(layout, slots[order[i]], c), carry)
     # A block restored twice in one step (a later restore popped an earlier one's block): the last copy wins.
     k = jnp.arange(K)
     last = jnp.zeros(layout.num_blocks, jnp.int32).at[jnp.where(k < used, dst, 0)].max(k)
     keep = (k < used) & (last[dst] == k)
     copies = Copies(jnp.where(keep, src, 0), jnp.where(keep, dst, 0), used)
-    host = replace(host, pool=pool, counters=counters.at[2].add(jnp.sum(keep, dtype=jnp.int32)))
+    host = replace(host, pool=pool, counters=counters.at[2].add(jnp.sum(keep, dtype=jnp.int32)),
+                   superseded=superseded)
     return alloc, host, copies
 
 
@@ -316,6 +323,49 @@ def released_blocks(layout: Layout, host: HostTier, alloc: AllocatorState, go: j
     return jax.lax.fori_loop(0, jnp.sum(go, dtype=jnp.int32), one, (jnp.zeros(K, jnp.int32), jnp.int32(0)))[0]
 
 
+def supersede(layout: Layout, host: HostTier, alloc: AllocatorState, go: jax.Array) -> HostTier:
+    """After the requests about to be released (``go: bool[R]``) stored their last windows or states
+    (``released_blocks``): the host blocks that hold their prefixes' earlier end windows or states (kept
+    for hits ending where an earlier prompt or request ended, not on a multiple of the unit) move to the
+    LRU's head, right behind the blocks that hold nothing, flagged ``superseded``. A conversation's next
+    turn hits at the new end, so these are the first to make room; until then they still serve a repeated
+    earlier prompt. A block some request of ``go`` ends on stays; at most ``copy_up`` blocks a call, in
+    block order."""
+    others = [g for g in range(layout.num_groups) if not layout.groups[g].spec.keeps_every_token]
+    if not others:
+        return host
+    N, K = host.num_blocks, host.copy_up
+    device, held_by = alloc.block_pool.prefix_cache, host.pool.prefix_cache
+    ends = cacheable_tokens(layout, jnp.minimum(alloc.num_computed, alloc.num_tokens))
+    order = jnp.nonzero(go, size=go.shape[0], fill_value=0)[0]
+
+    def one(i, carry):
+        older, last = carry                                                      # bool[N] each
+        slot = order[i]
+        hashes = alloc.hashes[slot]
+        H = hashes.shape[0]
+        valid = (jnp.arange(H) < alloc.num_tokens[slot] // layout.hash_block_size)[None, :]
+        dev = group_blocks(layout, jnp.where(valid, _found(device, hashes), 0))       # [G, H] by block index
+        held = group_blocks(layout, jnp.where(valid, _found(held_by, hashes), 0))
+        for g in others:
+            present = jnp.stack([dev[g] > 0, (dev[g] > 0) | (held[g] > 0)])
+            end = _needed(layout, g, present, jnp.full(2, ends[slot])).any(0)       # the last window, either way
+            early = (held[g] > 0) & ~end & ~jnp.asarray(layout.host_reachable(g, H, host.unit))
+            older = older.at[jnp.where(early, held[g], N)].set(True, mode="drop")
+            last = last.at[jnp.where(end, held[g], N)].set(True, mode="drop")
+        return older, last
+
+    none = jnp.zeros(N, bool)
+    older, last = jax.lax.fori_loop(0, jnp.sum(go, dtype=jnp.int32), one, (none, none))
+    moved = older & ~last & ~host.superseded
+    blocks = jnp.nonzero(moved, size=K, fill_value=0)[0].astype(jnp.int32)
+    empty = held_by.block_slot < 0                                               # never stored: used first
+    queue = jax.lax.cond(jnp.any(moved), lambda q: free_queue.move_behind(q, empty, blocks), lambda q: q,
+                         host.pool.free_queue)
+    return replace(host, pool=replace(host.pool, free_queue=queue),
+                   superseded=host.superseded.at[jnp.where(blocks > 0, blocks, N)].set(True, mode="drop"))
+
+
 def store(layout: Layout, blocks: jax.Array, alloc: AllocatorState, host: HostTier) -> tuple[HostTier, Copies]:
     """The host side of device blocks ``blocks`` (``i32[K]``, 0: none), each cached in the device
     prefix cache: each (hash, group) the host lacks takes the LRU's head (evicting its entry) and is
@@ -347,7 +397,9 @@ def store(layout: Layout, blocks: jax.Array, alloc: AllocatorState, host: HostTi
     cache_h = jax.lax.cond(cache_h.clock > prefix_cache.CLOCK_LIMIT, prefix_cache.renumber_clock, lambda c: c, cache_h)
     order = jnp.argsort(~new, stable=True)  # the copies first
     copies = Copies(jnp.where(new, blocks, 0)[order], dst[order], count)
-    return replace(host, pool=replace(pool, prefix_cache=cache_h), counters=_count(host, blocks_down=count)), copies
+    superseded = host.superseded.at[held + dst].set(False)
+    return replace(host, pool=replace(pool, prefix_cache=cache_h), counters=_count(host, blocks_down=count),
+                   superseded=superseded), copies
 
 
 def copy_pages(src_buffers: tuple[jax.Array, ...], dst_buffers: tuple[jax.Array, ...], copies: Copies,
@@ -393,11 +445,12 @@ def by_count(count, width: int, fn, *args):
 
 
 def host_usage(layout: Layout, host: HostTier) -> dict:
-    """What the host tier holds (read back): blocks (block 0 left out), blocks cached per group, and the
-    counters (``COUNTERS``)."""
-    slot = np.asarray(host.pool.prefix_cache.block_slot)
+    """What the host tier holds (read back): blocks (block 0 left out), blocks cached per group, those of them
+    superseded, and the counters (``COUNTERS``)."""
+    slot, superseded = jax.device_get((host.pool.prefix_cache.block_slot, host.superseded))
     per_group = np.bincount(slot[slot >= 0] % layout.num_groups, minlength=layout.num_groups)
     return {"blocks": host.num_blocks - 1, "cached_per_group": per_group.tolist(),
+            "superseded": int(np.sum(superseded & (slot >= 0))),
             **dict(zip(COUNTERS, np.asarray(host.counters).tolist()))}
 
 

@@ -48,7 +48,8 @@ def host_ops(layout: Layout) -> dict[str, Any]:
 
     def store_released(state, host, slot):
         go = jnp.arange(layout.max_requests) == slot
-        return host_tier.store(layout, host_tier.released_blocks(layout, host, state, go), state, host)[0]
+        host = host_tier.store(layout, host_tier.released_blocks(layout, host, state, go), state, host)[0]
+        return host_tier.supersede(layout, host, state, go)
 
     return {"restore": jax.jit(restore), "at_start": jax.jit(host_tier.at_start),
             "store_computed": jax.jit(store_computed), "store_released": jax.jit(store_released)}

@@ -507,17 +507,20 @@ def needed_blocks(spec, bs: int, unit: int, present: list[bool], end: int) -> li
 
 class PyHostTier:
     """The host tier of a ``PyAllocator``: ``num_blocks`` host blocks (block 0 unused), an LRU list of them
-    (head evicted first; every host block is in it), the (block hash, group) each holds, and the unit.
-    ``max_up`` / ``max_down``: the most blocks one restore / store takes (``host_tier.copy_sizes``)."""
+    (head evicted first; every host block is in it), the (block hash, group) each holds, the blocks a
+    later release superseded, and the unit. ``max_up`` / ``max_down``: the most blocks one restore / store
+    takes (``host_tier.copy_sizes``); a release supersedes at most ``max_up``."""
 
     def __init__(self, alloc: PyAllocator, num_blocks: int, unit: int, max_up: int, max_down: int):
         self.alloc, self.unit, self.max_up, self.max_down = alloc, unit, max_up, max_down
         self.lru: list[int] = list(range(1, num_blocks))
         self.key: list[Hashable | None] = [None] * num_blocks
         self.block: dict[Hashable, int] = {}
+        self.superseded: set[int] = set()
 
     def _take(self, count: int) -> list[int]:
         taken, self.lru = self.lru[:count], self.lru[count:]
+        self.superseded -= set(taken)
         for hb in taken:
             if self.key[hb] is not None:
                 del self.block[self.key[hb]]
@@ -555,6 +558,7 @@ class PyHostTier:
         a._free_blocks([hits[g][i] for g, i in order if hits[g][i] != NULL])
         used = [host_used[p] for p in order if p in host_used]
         self.lru = [hb for hb in self.lru if hb not in host_used.values()] + used
+        self.superseded -= set(used)
 
     def mark(self) -> tuple:
         """What ``store_computed`` compares against: each request's ``num_cached``, tokens and computed tokens,
@@ -600,6 +604,36 @@ class PyHostTier:
                                    end):
                 blocks.append(found[i])
         self.store(blocks[:self.max_down])
+        self.supersede(rid)
+
+    def supersede(self, rid: str) -> None:
+        """After ``store_released``: the host blocks holding the earlier end windows or states of request
+        ``rid``'s prefix (not on a multiple of the unit, not its last) go to the LRU's head in block order,
+        behind the blocks that hold nothing, superseded (``host_tier.supersede``)."""
+        a, r = self.alloc, self.alloc.requests[rid]
+        end = min(r.num_computed, len(r.tokens)) // a.scheduler_block_size * a.scheduler_block_size
+        hashes = block_hashes(r.tokens, a.hash_block_size, r.salt)
+        older, last = set(), set()
+        for g, group in enumerate(a.groups):
+            if isinstance(group.spec, FullAttentionSpec):
+                continue
+            keys = [(h, g) for h in a._group_hashes(hashes, g)]
+            device = [key in a.cache for key in keys]
+            held = [self.block.get(key) for key in keys]
+            ends = {i for present in (device, [d or h is not None for d, h in zip(device, held)])
+                    for i in needed_blocks(group.spec, group.block_size, a.scheduler_block_size, present, end)}
+            for i, hb in enumerate(held):
+                if hb is None:
+                    continue
+                if i in ends:
+                    last.add(hb)
+                elif not host_reachable(group.spec, group.block_size, self.unit // group.block_size, i):
+                    older.add(hb)
+        moved = sorted(older - last - self.superseded)[:self.max_up]
+        if moved:  # behind the blocks that hold nothing (they are used first)
+            self.lru = ([hb for hb in self.lru if self.key[hb] is None] + moved
+                        + [hb for hb in self.lru if self.key[hb] is not None and hb not in moved])
+        self.superseded |= set(moved)
 
     def store(self, blocks: list[int]) -> None:
         """Device blocks ``blocks`` (cached ones; the first of each key): a key the tier holds moves to the
@@ -614,6 +648,7 @@ class PyHostTier:
             items.append((key, self.block.get(key)))
         held = {hb for _, hb in items if hb is not None}
         self.lru = [hb for hb in self.lru if hb not in held]
+        self.superseded -= held
         room = len(self.lru)
         new = [key for key, hb in items if hb is None][:room]
         taken = dict(zip(new, self._take(len(new))))

@@ -275,7 +275,7 @@ class Engine:
             return None
         u = host_usage(self.layout, host)
         return HostUsage(u["blocks"], u["cached_per_group"], self.block_bytes, u["hit_tokens"], u["blocks_down"],
-                         u["blocks_up"])
+                         u["blocks_up"], u["superseded"])
 
     def reset_stats(self) -> None:
         """Start the counters (``stats``) from zero."""

@@ -395,10 +395,12 @@ def _store(layout: Layout, blocks, alloc: AllocatorState, cache: KVCache, host: 
 def release_to_host(layout: Layout, alloc: AllocatorState, cache: KVCache, host: host_tier.HostTier,
                     changes: Changes) -> host_tier.HostTier:
     """Before ``prepare`` releases the requests ``changes`` frees or preempts: the blocks a hit ending where
-    their cached prefix ends needs go down to the host tier (``host_tier.released_blocks``; jit with
-    ``layout`` static and ``host`` donated)."""
-    blocks = host_tier.released_blocks(layout, host, alloc, changes.free | changes.preempt)
-    return _store(layout, blocks, alloc, cache, host)
+    their cached prefix ends needs go down to the host tier (``host_tier.released_blocks``), and the earlier
+    end windows of their prefixes to the LRU's head (``host_tier.supersede``; jit with ``layout`` static
+    and ``host`` donated)."""
+    go = changes.free | changes.preempt
+    host = _store(layout, host_tier.released_blocks(layout, host, alloc, go), alloc, cache, host)
+    return host_tier.supersede(layout, host, alloc, go)
 
 
 def _compute(static: StepStatic, params: list[jax.Array], state: EngineState, plan: StepPlan, alloc, ok, n, hit,
