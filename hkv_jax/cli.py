@@ -144,6 +144,8 @@ def _decode_options(args: argparse.Namespace) -> dict:
         options["host_cache_bytes"] = host
     if args.host_cache_unit is not None:
         options["host_cache_unit"] = args.host_cache_unit
+    if args.host_cache_keep_ends:
+        options["host_cache_supersede"] = False
     if args.speculative == "ngram":
         from hkv_jax.engine import NgramSpec
 
@@ -287,14 +289,20 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram matched (default 4)")
 
 
-def _host_options(p: argparse.ArgumentParser) -> None:
-    """The host tier's size and unit (``plan``, ``demo``, ``generate``, ``serve``)."""
+def _host_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
+    """The host tier's size and unit (``plan``, ``demo``, ``generate``, ``serve``), and for an ``engine``
+    whether releases supersede."""
     p.add_argument("--host-cache", metavar="SIZE",
                    help="host memory (CPU RAM) for a host tier behind the prefix cache, e.g. 16GiB: each group "
                         "keeps there what its later hits need (default 0: none)")
     p.add_argument("--host-cache-unit", type=int, metavar="TOKENS",
                    help="the host tier's unit: besides each prompt's and request's end, hits on the host end on its "
                         "multiples (default: 8 of the longest sliding windows or chunks)")
+    if not engine:
+        return
+    p.add_argument("--host-cache-keep-ends", action="store_true",
+                   help="a release does not send its prefix's earlier end windows to the head of the host tier's "
+                        "LRU: they age as any block (for traffic of repeated prompts)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -321,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default auto: as --dtype)")
     p.add_argument("--tp", type=int, default=1, help="devices on the mesh's model axis: --memory is then per "
                    "device, and the report says what one device holds (default 1)")
-    _host_options(p)
+    _host_options(p, engine=False)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the memory layout and capacity chart")
     p.set_defaults(func=_cmd_plan)

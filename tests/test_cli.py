@@ -80,6 +80,10 @@ def test_host_cache_flags_reach_the_engine_and_the_demo_reports_the_tier():
                                       "--host-cache-unit", "512"])
     assert {k: _serve_config(args).engine[k] for k in ("host_cache_bytes", "host_cache_unit")} == {
         "host_cache_bytes": 16 << 20, "host_cache_unit": 512}
+    assert "host_cache_supersede" not in _serve_config(args).engine  # the default: releases supersede
+    args = build_parser().parse_args(["serve", "--model", "tiny-gemma3", "--host-cache", "16MiB",
+                                      "--host-cache-keep-ends"])
+    assert _serve_config(args).engine["host_cache_supersede"] is False
     args = build_parser().parse_args(["serve", "--model", "tiny-gemma3", "--host-cache", "0"])
     assert "host_cache_bytes" not in _serve_config(args).engine
     summary = {"model": "m", "requests": 1, "steps": 1, "seconds": 1, "compilations": 1, "tokens_per_s": 1,

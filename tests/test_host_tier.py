@@ -104,6 +104,8 @@ def test_host_tier_sizes_are_checked_at_start():
     for bad in (-1, 1.5, "1GiB"):
         with pytest.raises(ValueError, match="host_cache_bytes must be a non-negative integer"):
             EngineConfig(num_blocks=44, host_cache_bytes=bad)
+    with pytest.raises(ValueError, match="host_cache_supersede must be True or False"):
+        EngineConfig(num_blocks=44, host_cache_supersede="no")
     with pytest.raises(ValueError, match="multiple of the scheduling unit"):
         Engine(model, num_blocks=44, block_size=8, max_model_len=MAX_LEN, host_cache_bytes=1 << 20,
                host_cache_unit=12)
@@ -126,3 +128,33 @@ def test_each_type_keeps_what_a_hit_on_a_unit_boundary_needs():
                     # boundary 64: chunk [48, 96) holds it: blocks 6, 7; boundary 128: chunk [96, 144): 12-15
                     "ChunkedLocalSpec": [6, 7, 12, 13, 14, 15], "MambaSpec": [7, 15]}
     assert host_tier.UNIT_WINDOWS >= 4
+
+
+def test_a_release_supersedes_the_earlier_end_windows_of_its_prefix_unless_told_not_to():
+    # Blocks of 4 tokens, a 6-token window (2 blocks), a host unit of 48 tokens (no multiple reached). An
+    # 18-token prompt keeps the window before token 16 (blocks 2, 3); after 8 more tokens the release keeps
+    # the window before token 24 (blocks 4, 5) and supersedes blocks 2 and 3 of the sliding group.
+    from hkv_jax.allocator.kv_cache_manager import KVCacheManager
+    from hkv_jax.planner import plan
+    from hkv_jax.spec import FullAttentionSpec, SlidingWindowSpec
+
+    cfg = plan([FullAttentionSpec(name="f", num_kv_heads=1, head_size=8),
+                SlidingWindowSpec(name="s", num_kv_heads=1, head_size=8, sliding_window=6)],
+               block_size=4, num_blocks=40)
+    for supersede in (True, False):
+        m = KVCacheManager(cfg, max_model_len=64, max_requests=2, host_blocks=40, host_unit=48,
+                           host_supersede=supersede)
+        m.add("a", list(range(1, 19)))
+        m.schedule("a", "all", 100)
+        for t in range(101, 108):
+            m.schedule("a", 1, t)
+        m.free("a")
+        superseded = np.flatnonzero(np.asarray(m.host.superseded)).tolist()
+        slot = np.asarray(m.host.pool.prefix_cache.block_slot)
+        lru = queue_order(m.host.pool.free_queue)
+        empty = sum(int(slot[b] < 0) for b in lru)
+        if supersede:
+            assert len(superseded) == 2 and all(slot[b] % 2 == 1 for b in superseded)  # the sliding group's
+            assert sorted(lru[empty:empty + 2]) == superseded  # first out, after the empty blocks
+        else:
+            assert superseded == [] and m.host.supersede is False

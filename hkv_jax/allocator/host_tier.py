@@ -68,6 +68,7 @@ class HostTier:
       unit (static): the host unit in tokens, a multiple of the scheduling unit: as blocks are computed,
         the tier keeps what hits ending on its multiples need (``Layout.host_reachable``).
       memory_kind (static): where the buffers live (``pinned_host``; ``None``: the default memory).
+      supersede (static): whether a release supersedes its prefix's earlier end windows (``supersede``).
     """
 
     pool: block_pool.BlockPool
@@ -78,6 +79,7 @@ class HostTier:
     copy_down: int = field(metadata=dict(static=True), default=0)
     unit: int = field(metadata=dict(static=True), default=0)
     memory_kind: str | None = field(metadata=dict(static=True), default=None)
+    supersede: bool = field(metadata=dict(static=True), default=True)
 
     @property
     def num_blocks(self) -> int:
@@ -132,10 +134,11 @@ def host_unit(layout: Layout, unit: int = 0) -> int:
 
 
 def init_host_tier(layout: Layout, buffers_like: tuple[jax.Array, ...], num_blocks: int, token_budget: int,
-                   memory_kind: str | None = None, unit: int = 0) -> HostTier:
+                   memory_kind: str | None = None, unit: int = 0, supersede: bool = True) -> HostTier:
     """An empty host tier of ``num_blocks`` blocks (block 0 unused) whose pages have the shape and dtype of
     ``buffers_like`` (the device cache's buffers), zero-filled in ``memory_kind``; the copy sizes come
-    from ``copy_sizes``; ``unit``: the host unit in tokens (0: ``default_unit``)."""
+    from ``copy_sizes``; ``unit``: the host unit in tokens (0: ``default_unit``); ``supersede``: whether
+    releases supersede (``supersede``)."""
     if num_blocks < layout.num_groups + 1:
         raise ValueError(f"a host tier of {num_blocks} blocks (block 0 unused) cannot hold one block of each of "
                          f"the {layout.num_groups} groups")
@@ -151,7 +154,7 @@ def init_host_tier(layout: Layout, buffers_like: tuple[jax.Array, ...], num_bloc
     up, down = copy_sizes(layout, token_budget)
     return HostTier(block_pool.init_block_pool(num_blocks, layout.num_groups),
                     tuple(zeros(b) for b in buffers_like), jnp.zeros(len(COUNTERS), jnp.int32),
-                    jnp.zeros(num_blocks, bool), up, down, unit, memory_kind)
+                    jnp.zeros(num_blocks, bool), up, down, unit, memory_kind, supersede)
 
 
 def _count(host: HostTier, **added) -> jax.Array:
@@ -330,9 +333,9 @@ def supersede(layout: Layout, host: HostTier, alloc: AllocatorState, go: jax.Arr
     LRU's head, right behind the blocks that hold nothing, flagged ``superseded``. A conversation's next
     turn hits at the new end, so these are the first to make room; until then they still serve a repeated
     earlier prompt. A block some request of ``go`` ends on stays; at most ``copy_up`` blocks a call, in
-    block order."""
+    block order. Nothing moves in a tier built with ``supersede=False``."""
     others = [g for g in range(layout.num_groups) if not layout.groups[g].spec.keeps_every_token]
-    if not others:
+    if not others or not host.supersede:
         return host
     N, K = host.num_blocks, host.copy_up
     device, held_by = alloc.block_pool.prefix_cache, host.pool.prefix_cache

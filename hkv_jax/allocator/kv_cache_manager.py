@@ -72,11 +72,13 @@ class KVCacheManager:
     leave a sliding window or local chunk to the front of the free queue.
     ``host_blocks > 0``: a host tier's table of that many blocks (``host_tier``; pages are the engine's):
     a waiting request's schedule restores its host hits first, blocks a schedule or accept computes are
-    stored after it, and a released request's last window before its release (``host``, a pytree).
+    stored after it, and a released request's last window before its release (``host``, a pytree), which
+    supersedes its prefix's earlier end windows unless ``host_supersede=False`` (``host_tier.supersede``).
     """
 
     def __init__(self, cfg: KVCacheConfig, max_model_len: int, max_requests: int = 64, donate: bool = False,
-                 window_aware_eviction: bool = False, host_blocks: int = 0, host_unit: int = 0):
+                 window_aware_eviction: bool = False, host_blocks: int = 0, host_unit: int = 0,
+                 host_supersede: bool = True):
         self.cfg = cfg
         self.layout = Layout.from_config(cfg, max_model_len, max_requests,
                                          window_aware_eviction=window_aware_eviction)
@@ -85,7 +87,8 @@ class KVCacheManager:
         self._donate = donate
         self._slots: dict[str, int] = {}
         self._free_slots = list(range(max_requests - 1, -1, -1))
-        self.host = (host_tier.init_host_tier(self.layout, (), host_blocks, max_model_len, unit=host_unit)
+        self.host = (host_tier.init_host_tier(self.layout, (), host_blocks, max_model_len, unit=host_unit,
+                                              supersede=host_supersede)
                      if host_blocks else None)
 
     # -- snapshots ------------------------------------------------------------------------------

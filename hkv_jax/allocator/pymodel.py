@@ -509,10 +509,12 @@ class PyHostTier:
     """The host tier of a ``PyAllocator``: ``num_blocks`` host blocks (block 0 unused), an LRU list of them
     (head evicted first; every host block is in it), the (block hash, group) each holds, the blocks a
     later release superseded, and the unit. ``max_up`` / ``max_down``: the most blocks one restore / store
-    takes (``host_tier.copy_sizes``); a release supersedes at most ``max_up``."""
+    takes (``host_tier.copy_sizes``); a release supersedes at most ``max_up`` (none without ``supersede``)."""
 
-    def __init__(self, alloc: PyAllocator, num_blocks: int, unit: int, max_up: int, max_down: int):
+    def __init__(self, alloc: PyAllocator, num_blocks: int, unit: int, max_up: int, max_down: int,
+                 supersede: bool = True):
         self.alloc, self.unit, self.max_up, self.max_down = alloc, unit, max_up, max_down
+        self.enabled = supersede
         self.lru: list[int] = list(range(1, num_blocks))
         self.key: list[Hashable | None] = [None] * num_blocks
         self.block: dict[Hashable, int] = {}
@@ -604,7 +606,8 @@ class PyHostTier:
                                    end):
                 blocks.append(found[i])
         self.store(blocks[:self.max_down])
-        self.supersede(rid)
+        if self.enabled:
+            self.supersede(rid)
 
     def supersede(self, rid: str) -> None:
         """After ``store_released``: the host blocks holding the earlier end windows or states of request

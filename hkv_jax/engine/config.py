@@ -49,7 +49,9 @@ class EngineConfig:
     over the free host memory or under one block of every group. ``host_cache_unit``: the host unit in
     tokens (0: ``host_tier.default_unit``, 8 of the longest sliding windows or chunks): as blocks are
     computed, the tier keeps what a hit ending on its multiples needs, and a released request's last
-    window or state besides.
+    window or state besides. ``host_cache_supersede``: a release sends the earlier end windows of its
+    prefix to the head of the host LRU (``host_tier.supersede``; ``False``: they age as any block, which
+    suits traffic of repeated prompts).
 
     ``speculative``: speculative decoding (``NgramSpec``, or ``DraftModelSpec``: a draft model proposes):
     each decoding request drafts up to ``k`` tokens
@@ -77,6 +79,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     host_cache_bytes: int = 0
     host_cache_unit: int = 0
+    host_cache_supersede: bool = True
     speculative: NgramSpec | DraftModelSpec | None = None
 
     def __post_init__(self):
@@ -93,6 +96,8 @@ class EngineConfig:
         for name in ("host_cache_bytes", "host_cache_unit"):
             if not is_integer(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
+        if not isinstance(self.host_cache_supersede, bool):
+            raise ValueError(f"host_cache_supersede must be True or False, got {self.host_cache_supersede!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         spec = self.speculative

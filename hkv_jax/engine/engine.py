@@ -80,7 +80,8 @@ class Engine:
                                   max_call_seconds=config.max_call_seconds,
                                   max_top_logprobs=config.max_top_logprobs, max_logit_bias=config.max_logit_bias,
                                   mesh=mesh, stats=self.stats, speculative=config.speculative,
-                                  host_blocks=host_blocks, host_unit=config.host_cache_unit)
+                                  host_blocks=host_blocks, host_unit=config.host_cache_unit,
+                                  host_supersede=config.host_cache_supersede)
         # With Mamba layers, prefill chunks end on the Mamba groups' block boundaries (the planner may have
         # raised their block size above config.block_size), where a state is kept.
         mamba = self.layout.mamba_groups

@@ -59,7 +59,7 @@ class ModelRunner:
     def __init__(self, model, kv_cache_config, layout: Layout, *, buckets: list[int], impl: str, seed: int,
                  vectorised: bool, decode_steps: int, max_call_seconds: float | None, max_top_logprobs: int,
                  max_logit_bias: int, mesh: jax.sharding.Mesh | None, stats: Stats, speculative=None,
-                 host_blocks: int = 0, host_unit: int = 0):
+                 host_blocks: int = 0, host_unit: int = 0, host_supersede: bool = True):
         if mesh is not None:
             mesh_model_size(mesh)  # checks the axis names
         self.layout, self.mesh, self.stats = layout, mesh, stats
@@ -99,7 +99,8 @@ class ModelRunner:
         cache = cache if mesh is not None else jax.device_put(cache, self.placement)
         host = None
         if host_blocks:
-            host = init_host_tier(layout, cache.buffers, host_blocks, max(buckets), host_memory_kind(), host_unit)
+            host = init_host_tier(layout, cache.buffers, host_blocks, max(buckets), host_memory_kind(), host_unit,
+                                  host_supersede)
         self.state = EngineState(alloc, cache, key, host)
         self._sent: tuple[np.ndarray, StepPlan] | None = None  # the last plan sent: its host data, device copy
         self._packed: tuple[DecodeBatch, tuple, StepPlan] | None = None  # a decode-only record's plan
