@@ -296,6 +296,24 @@ def computed_blocks(layout: Layout, host: HostTier, before: tuple, alloc: Alloca
     return rows.reshape(-1).at[at].get(mode="fill", fill_value=0)
 
 
+def _partial_groups(layout: Layout) -> list[int]:
+    """The groups that do not keep every block (sliding window, chunked local, Mamba)."""
+    return [g for g in range(layout.num_groups) if not layout.groups[g].spec.keeps_every_token]
+
+
+def _release_ends(layout: Layout, alloc: AllocatorState) -> jax.Array:
+    """``i32[R]``: where each request's cached prefix ends, cut to the scheduling unit (a hit's end)."""
+    return cacheable_tokens(layout, jnp.minimum(alloc.num_computed, alloc.num_tokens))
+
+
+def _request_blocks(layout: Layout, cache: prefix_cache.PrefixCache, alloc: AllocatorState, slot) -> jax.Array:
+    """``i32[G, H]``: the block ``cache`` holds for each group's block index of the request in ``slot``, by
+    its block hashes (0: none, or past its known tokens)."""
+    hashes = alloc.hashes[slot]
+    valid = jnp.arange(hashes.shape[0]) < alloc.num_tokens[slot] // layout.hash_block_size
+    return group_blocks(layout, jnp.where(valid[None, :], _found(cache, hashes), 0))
+
+
 def released_blocks(layout: Layout, host: HostTier, alloc: AllocatorState, go: jax.Array) -> jax.Array:
     """``i32[copy_down]``: for the requests about to be released (``go: bool[R]``), in slot order, the blocks
     a hit ending where their cached prefix ends needs, in every group that does not keep every block
@@ -303,19 +321,16 @@ def released_blocks(layout: Layout, host: HostTier, alloc: AllocatorState, go: j
     in the device prefix cache by the request's block hashes (so a block the request already released but
     the cache still holds counts); 0 past them. A conversation's next turn hits there."""
     K = host.copy_down
-    others = [g for g in range(layout.num_groups) if not layout.groups[g].spec.keeps_every_token]
+    others = _partial_groups(layout)
     if not others:
         return jnp.zeros(K, jnp.int32)
-    cache = alloc.block_pool.prefix_cache
-    ends = cacheable_tokens(layout, jnp.minimum(alloc.num_computed, alloc.num_tokens))
+    ends = _release_ends(layout, alloc)
     order = jnp.nonzero(go, size=go.shape[0], fill_value=0)[0]
 
     def one(i, carry):
         out, used = carry
         slot = order[i]
-        hashes = alloc.hashes[slot]
-        valid = jnp.arange(hashes.shape[0]) < alloc.num_tokens[slot] // layout.hash_block_size
-        found = group_blocks(layout, jnp.where(valid[None, :], _found(cache, hashes), 0))  # [G, H] by block index
+        found = _request_blocks(layout, alloc.block_pool.prefix_cache, alloc, slot)
         blocks = jnp.concatenate([jnp.where(_needed(layout, g, found[g][None] > 0, ends[slot][None])[0], found[g], 0)
                                   for g in others])
         at = jnp.nonzero(blocks > 0, size=K, fill_value=blocks.shape[0])[0]
@@ -334,22 +349,19 @@ def supersede(layout: Layout, host: HostTier, alloc: AllocatorState, go: jax.Arr
     turn hits at the new end, so these are the first to make room; until then they still serve a repeated
     earlier prompt. A block some request of ``go`` ends on stays; at most ``copy_up`` blocks a call, in
     block order. Nothing moves in a tier built with ``supersede=False``."""
-    others = [g for g in range(layout.num_groups) if not layout.groups[g].spec.keeps_every_token]
+    others = _partial_groups(layout)
     if not others or not host.supersede:
         return host
     N, K = host.num_blocks, host.copy_up
-    device, held_by = alloc.block_pool.prefix_cache, host.pool.prefix_cache
-    ends = cacheable_tokens(layout, jnp.minimum(alloc.num_computed, alloc.num_tokens))
+    ends = _release_ends(layout, alloc)
     order = jnp.nonzero(go, size=go.shape[0], fill_value=0)[0]
 
     def one(i, carry):
         older, last = carry                                                      # bool[N] each
         slot = order[i]
-        hashes = alloc.hashes[slot]
-        H = hashes.shape[0]
-        valid = (jnp.arange(H) < alloc.num_tokens[slot] // layout.hash_block_size)[None, :]
-        dev = group_blocks(layout, jnp.where(valid, _found(device, hashes), 0))       # [G, H] by block index
-        held = group_blocks(layout, jnp.where(valid, _found(held_by, hashes), 0))
+        dev = _request_blocks(layout, alloc.block_pool.prefix_cache, alloc, slot)
+        held = _request_blocks(layout, host.pool.prefix_cache, alloc, slot)
+        H = dev.shape[1]
         for g in others:
             present = jnp.stack([dev[g] > 0, (dev[g] > 0) | (held[g] > 0)])
             end = _needed(layout, g, present, jnp.full(2, ends[slot])).any(0)       # the last window, either way
@@ -362,7 +374,7 @@ def supersede(layout: Layout, host: HostTier, alloc: AllocatorState, go: jax.Arr
     older, last = jax.lax.fori_loop(0, jnp.sum(go, dtype=jnp.int32), one, (none, none))
     moved = older & ~last & ~host.superseded
     blocks = jnp.nonzero(moved, size=K, fill_value=0)[0].astype(jnp.int32)
-    empty = held_by.block_slot < 0                                               # never stored: used first
+    empty = host.pool.prefix_cache.block_slot < 0                                # never stored: used first
     queue = jax.lax.cond(jnp.any(moved), lambda q: free_queue.move_behind(q, empty, blocks), lambda q: q,
                          host.pool.free_queue)
     return replace(host, pool=replace(host.pool, free_queue=queue),

@@ -607,15 +607,14 @@ class PyHostTier:
                 blocks.append(found[i])
         self.store(blocks[:self.max_down])
         if self.enabled:
-            self.supersede(rid)
+            self._supersede(hashes, end)
 
-    def supersede(self, rid: str) -> None:
-        """After ``store_released``: the host blocks holding the earlier end windows or states of request
-        ``rid``'s prefix (not on a multiple of the unit, not its last) go to the LRU's head in block order,
-        behind the blocks that hold nothing, superseded (``host_tier.supersede``)."""
-        a, r = self.alloc, self.alloc.requests[rid]
-        end = min(r.num_computed, len(r.tokens)) // a.scheduler_block_size * a.scheduler_block_size
-        hashes = block_hashes(r.tokens, a.hash_block_size, r.salt)
+    def _supersede(self, hashes: list, end: int) -> None:
+        """After ``store_released`` of a request with block hashes ``hashes`` whose cached prefix ends at
+        ``end``: the host blocks holding the earlier end windows or states of its prefix (not on a multiple
+        of the unit, not its last) go to the LRU's head in block order, behind the blocks that hold nothing,
+        superseded (``host_tier.supersede``)."""
+        a = self.alloc
         older, last = set(), set()
         for g, group in enumerate(a.groups):
             if isinstance(group.spec, FullAttentionSpec):

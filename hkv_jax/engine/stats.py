@@ -66,7 +66,7 @@ class HostUsage:
     hit_tokens: int               # prompt tokens whose hit needed blocks from the host
     blocks_down: int              # blocks copied device -> host
     blocks_up: int                # blocks copied host -> device
-    superseded_blocks: int = 0    # cached blocks a later release superseded: the first to be evicted
+    superseded_blocks: int        # cached blocks a later release superseded: the first to be evicted
 
     @property
     def capacity_bytes(self) -> int:
@@ -79,10 +79,15 @@ class HostUsage:
         return sum(self.cached_per_group) * self.block_bytes
 
     @property
+    def superseded_bytes(self) -> int:
+        """Bytes of the blocks it holds that a later release superseded (``host_tier.supersede``): evicted
+        first."""
+        return self.superseded_blocks * self.block_bytes
+
+    @property
     def kept_bytes(self) -> int:
-        """Bytes of the blocks it holds that no later release superseded (``host_tier.supersede``): what
-        its hits need; the superseded rest is evicted first."""
-        return self.used_bytes - self.superseded_blocks * self.block_bytes
+        """Bytes of the blocks it holds that no later release superseded: what its hits need."""
+        return self.used_bytes - self.superseded_bytes
 
     @property
     def bytes_down(self) -> int:

@@ -33,7 +33,7 @@ def prometheus_text(stats, kv, counts: dict, host=None) -> str:
         rows += [("host_cache_bytes", "gauge", "Bytes of the host tier.", host.capacity_bytes),
                  ("host_cache_used_bytes", "gauge", "Bytes of the blocks the host tier holds.", host.used_bytes),
                  ("host_cache_superseded_bytes", "gauge", "Bytes of those blocks that a later release superseded "
-                  "(evicted first).", host.used_bytes - host.kept_bytes),
+                  "(evicted first).", host.superseded_bytes),
                  ("host_cache_hit_tokens_total", "counter", "Prompt tokens of hits that took blocks from the host "
                   "tier.", host.hit_tokens),
                  ("host_cache_bytes_down_total", "counter", "Bytes copied from the device to the host tier.",
