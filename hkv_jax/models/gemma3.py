@@ -27,8 +27,7 @@ from hkv_jax.attention import AttentionMetadata, attention
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
 from hkv_jax.models.key_centre import KeyCentre, centred, shift_invariant
-from hkv_jax.models.layers import RMSNorm, capped, dense_attention, rope
-from hkv_jax.models.quant import two_rows_at_least
+from hkv_jax.models.layers import Linear, RMSNorm, capped, dense_attention, rope, two_rows_at_least
 from hkv_jax.spec import LayerSpec
 from kernels_pallas.reference import is_fp8
 
@@ -80,8 +79,8 @@ class Gemma3Config:
             param_dtype=param_dtype)
 
 
-def _linear(n_in: int, n_out: int, cfg: Gemma3Config, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(n_in, n_out, use_bias=False, param_dtype=cfg.param_dtype, dtype=cfg.param_dtype, rngs=rngs)
+def _linear(n_in: int, n_out: int, cfg: Gemma3Config, rngs: nnx.Rngs) -> Linear:
+    return Linear(n_in, n_out, use_bias=False, param_dtype=cfg.param_dtype, dtype=cfg.param_dtype, rngs=rngs)
 
 
 class Attention(nnx.Module):

@@ -27,6 +27,7 @@ from flax import nnx
 
 from hkv_jax.attention import AttentionMetadata
 from hkv_jax.cache import KVCache
+from hkv_jax.models.layers import Linear
 from hkv_jax.recurrent import load_states, ragged_scan, record, store_states
 
 
@@ -59,7 +60,7 @@ class Mamba2(nnx.Module):
         if cfg.num_heads % cfg.n_groups:
             raise ValueError(f"mamba_n_heads ({cfg.num_heads}) must be a multiple of mamba_n_groups ({cfg.n_groups})")
         self.cfg, self.name = cfg, name
-        self.in_proj = nnx.Linear(cfg.hidden_size, cfg.inner + cfg.conv_dim + cfg.num_heads, use_bias=False,
+        self.in_proj = Linear(cfg.hidden_size, cfg.inner + cfg.conv_dim + cfg.num_heads, use_bias=False,
                                   rngs=rngs)
         self.conv_w = nnx.Param(jax.random.normal(rngs.params(), (cfg.d_conv, cfg.conv_dim)) / cfg.d_conv)
         self.conv_b = nnx.Param(jnp.zeros(cfg.conv_dim))
@@ -68,7 +69,7 @@ class Mamba2(nnx.Module):
                                                           maxval=8.0)))
         self.d = nnx.Param(jnp.ones(cfg.num_heads))
         self.norm = nnx.RMSNorm(cfg.inner, rngs=rngs)
-        self.out_proj = nnx.Linear(cfg.inner, cfg.hidden_size, use_bias=False, rngs=rngs)
+        self.out_proj = Linear(cfg.inner, cfg.hidden_size, use_bias=False, rngs=rngs)
 
     def _split_in(self, x):
         cfg = self.cfg

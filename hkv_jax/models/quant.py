@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hkv_jax.models.layers import two_rows_at_least
+
 QUANTIZE = ("int8",)
 
 
@@ -46,15 +48,6 @@ def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     peak = np.abs(w).max(axis=0)
     scale = np.where(peak > 0, peak / 127, 1.0).astype(np.float32)
     return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale
-
-
-def two_rows_at_least(product, x: jax.Array) -> jax.Array:
-    """``product(x)`` for ``x: [R, in]``, a single row padded to two (and the pad dropped after): XLA:CPU
-    runs a one-row product against a large matrix on a slow path, 8x slower than two rows for an int8
-    one and about 4x for a float32 one against a transposed matrix (the tied output projection)."""
-    if x.shape[0] != 1:
-        return product(x)
-    return product(jnp.pad(x, ((0, 1), (0, 0))))[:1]
 
 
 def int8_matmul(x: jax.Array, weight: jax.Array, scale: jax.Array) -> jax.Array:

@@ -32,7 +32,7 @@ from hkv_jax.attention import AttentionMetadata, attention
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
 from hkv_jax.models.key_centre import KeyCentre, centred, shift_invariant
-from hkv_jax.models.layers import capped, dense_attention, rope
+from hkv_jax.models.layers import Linear, capped, dense_attention, rope
 from hkv_jax.models.mamba2 import Mamba2, Mamba2Config
 from hkv_jax.spec import LayerSpec
 from kernels_pallas.reference import to_page_dtype
@@ -121,11 +121,11 @@ class Attention(nnx.Module):
         self.owns_kv = cfg.kv_source(index) == index
         self.kv_dtype = cfg.layers[index].dtype if self.owns_kv else None  # what its cache pages store
         self.v_is_k = cfg.k_eq_v and cfg.is_global(index)
-        self.q = nnx.Linear(h, cfg.num_heads * d, use_bias=False, rngs=rngs)
-        self.k = nnx.Linear(h, self.kv_heads * d, use_bias=False, rngs=rngs) if self.owns_kv else None
+        self.q = Linear(h, cfg.num_heads * d, use_bias=False, rngs=rngs)
+        self.k = Linear(h, self.kv_heads * d, use_bias=False, rngs=rngs) if self.owns_kv else None
         own_v = self.owns_kv and not self.v_is_k
-        self.v = nnx.Linear(h, self.kv_heads * d, use_bias=False, rngs=rngs) if own_v else None
-        self.o = nnx.Linear(cfg.num_heads * d, h, use_bias=False, rngs=rngs)
+        self.v = Linear(h, self.kv_heads * d, use_bias=False, rngs=rngs) if own_v else None
+        self.o = Linear(cfg.num_heads * d, h, use_bias=False, rngs=rngs)
         self.q_norm = nnx.RMSNorm(d, rngs=rngs) if cfg.qk_norm else None
         self.k_norm = nnx.RMSNorm(d, rngs=rngs) if cfg.qk_norm and self.owns_kv else None
         self.sinks = nnx.Param(jax.random.normal(rngs.params(), (cfg.num_heads,))) if cfg.sinks else None
@@ -185,9 +185,9 @@ class Block(nnx.Module):
         self.mixer = (Mamba2(cfg.mamba, spec.name, rngs) if spec.recurrent
                       else Attention(cfg, index, rngs))
         self.mlp_norm = nnx.RMSNorm(cfg.hidden_size, rngs=rngs)
-        self.gate = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, rngs=rngs)
-        self.up = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, rngs=rngs)
-        self.down = nnx.Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=False, rngs=rngs)
+        self.gate = Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, rngs=rngs)
+        self.up = Linear(cfg.hidden_size, cfg.intermediate_size, use_bias=False, rngs=rngs)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=False, rngs=rngs)
 
     def mlp(self, x):
         h = self.mlp_norm(x)
