@@ -204,6 +204,88 @@ def test_gpu_projection_reports_no_unfused_bytes_where_the_lowering_has_no_cost_
 
 
 
+SYNTHETIC_DECODE_MODULE = """HloModule decode_steps
+
+%fused_a (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  ROOT %n = f32[2]{0} negate(%p)
+}
+
+%idle (t: f32[2]) -> f32[2] {
+  %t = f32[2]{0} parameter(0)
+  ROOT %k = f32[2]{0} fusion(%t), kind=kLoop, calls=%fused_a, metadata={op_name="jit(decode_steps)/add"}
+}
+
+%busy (t: f32[2]) -> f32[2] {
+  %t = f32[2]{0} parameter(0)
+  %k1 = f32[2]{0} fusion(%t), kind=kLoop, calls=%fused_a, metadata={op_name="jit(decode_steps)/add"}
+  %k2 = f32[2]{0} fusion(%k1), kind=kInput, calls=%fused_a, metadata={op_name="jit(decode_steps)/cond/sort"}
+  ROOT %k3 = f32[2]{0} custom-call(%k2), custom_call_target="xla.gpu.ext.cub_sort_pairs"
+}
+
+%forward (t: f32[2]) -> f32[2] {
+  %t = f32[2]{0} parameter(0)
+  %norm = f32[2]{0} fusion(%t), kind=kInput, calls=%fused_a, metadata={op_name="jit(decode_steps)/reduce_sum"}
+  %attn = f32[2]{0} custom-call(%norm), custom_call_target="mosaic_gpu_v2"
+  %mm = f32[2]{0} fusion(%attn), kind=kCustom, calls=%fused_a, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %act = f32[2]{0} fusion(%mm), kind=kLoop, calls=%fused_a, metadata={op_name="jit(decode_steps)/mul"}
+  %mm2 = f32[2]{0} fusion(%act), kind=kCustom, calls=%fused_a, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  ROOT %out = f32[2]{0} fusion(%mm2), kind=kInput, calls=%fused_a, metadata={op_name="jit(decode_steps)/reduce_sum"}
+}
+
+%skip (t: f32[2]) -> f32[2] {
+  %t = f32[2]{0} parameter(0)
+  ROOT %c = f32[2]{0} copy(%t)
+}
+
+%body (t: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %t = (s32[], /*index=1*/f32[2]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[2]{0} get-tuple-element(%t), index=1
+  %path = s32[] fusion(%i), kind=kLoop, calls=%fused_a, metadata={op_name="jit(decode_steps)/select_n"}
+  %a = f32[2]{0} conditional(%path, %x, %x), branch_computations={%idle, %busy}
+  %ran = pred[] fusion(%i), kind=kLoop, calls=%fused_a, metadata={op_name="jit(decode_steps)/ne"}
+  %y = f32[2]{0} conditional(%ran, %a, %a), true_computation=%forward, false_computation=%skip
+  ROOT %r = (s32[], f32[2]{0}) tuple(%i, %y)
+}
+
+%cond (t: (s32[], f32[2])) -> pred[] {
+  %t = (s32[], /*index=1*/f32[2]{0}) parameter(0)
+  ROOT %go = pred[] fusion(%t), kind=kLoop, calls=%fused_a, metadata={op_name="jit(decode_steps)/lt"}
+}
+
+ENTRY %main (x: f32[2]) -> f32[2] {
+  %x = f32[2]{0} parameter(0)
+  %init = (s32[], /*index=1*/f32[2]{0}) fusion(%x), kind=kLoop, calls=%fused_a
+  %w = (s32[], /*index=1*/f32[2]{0}) while(%init), condition=%cond, body=%body
+  ROOT %y = f32[2]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_gpu_hlo_counts_a_decode_step_through_its_usual_and_its_largest_branches():
+    """``gpu_hlo.py``'s reading of an optimised module: one ``while`` iteration (body and condition, not the
+    entry's kernels); a step where no block moves takes the allocator's smallest branch and the forward
+    pass (the branch of at least half the most kernels); the largest path takes every largest branch."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_hlo import decode_step_counts, opcode, summary, target_config
+
+    assert opcode("%w = (s32[], /*index=1*/f32[2]{0}) while(%init), condition=%c, body=%b") == "while"
+    assert opcode("ROOT %y = f32[2]{0} get-tuple-element(%w), index=1") == "get-tuple-element"
+    usual, most = decode_step_counts(SYNTHETIC_DECODE_MODULE, "decode_steps")
+    row = summary(usual, most, top=3)
+    # path select + idle + ran + 6 forward kernels + the loop condition; the skip branch's copy is not taken
+    assert row["kernels_per_step"] == 10 and row["copies_per_step"] == 0
+    assert row["conditionals_per_step"] == 2 and row["loops_per_step"] == 0
+    assert row["kernels_most"] == 12 and row["conditionals_most"] == 2
+    labels = {k["kernel"]: k["per_step"] for k in summary(usual, most, top=20)["top"]}
+    assert labels["kInput reduce_sum"] == 2 and labels["custom-call mosaic_gpu_v2"] == 1
+    assert labels["kCustom __triton_gemm"] == 2 and "custom-call xla.gpu.ext.cub_sort_pairs" not in labels
+    whole, whole_most = decode_step_counts(SYNTHETIC_DECODE_MODULE, "step")  # the entry: init, the loop once
+    assert (whole["#kernels"], whole_most["#kernels"], whole["#loops"]) == (11, 13, 1)
+    assert "core_count: 132" in target_config("h200") and "major: 9" in target_config("h200")
+
+
 def test_fp8_quality_benchmark_reads_one_text_through_fp8_and_reference_pages(tmp_path, capsys):
     """``kv_fp8_quality.py`` in its smallest mode (tiny-gemma3, 96 byte tokens in 32-token chunks, past its
     32-token window): both perplexities and the agreement come from the same positions, and the fp8 pages
