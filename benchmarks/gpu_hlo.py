@@ -18,6 +18,9 @@ step``: ``runner.STEP``, the whole program).
   and waits for it before it launches the next kernel.
 - ``top``: the kernels by fusion kind and the JAX operation they come from.
 
+``--module PATH`` counts a module dumped before (``XLA_FLAGS=--xla_dump_to=PATH``): ``gpu_session.sh`` dumps its
+decode profile's on the GPU, to set this count against the trace's.
+
 Set up once (no GPU needed): ``python -m venv /tmp/gpu-venv && /tmp/gpu-venv/bin/pip install -e .
 'jax[cuda12]==<jax version>'``. Run: ``/tmp/gpu-venv/bin/python benchmarks/gpu_hlo.py --config gemma-3-270m
 --batch 1 --context 1024 [--target h200] [--json]``. ``decode_profile.py`` measures the same step on a GPU.
@@ -183,9 +186,22 @@ def summary(usual: collections.Counter, most: collections.Counter, top: int) -> 
 
 # --- compiling for the target ----------------------------------------------------------------------------
 
-def optimised_module(config: str, batch: int, context: int, program: str, target: str, dump: str) -> str:
-    """The optimised HLO text of ``program`` for ``config`` at ``batch`` x ``context``, compiled for the
-    machine's GPU or, without one, for ``target``; XLA dumps it into ``dump`` (set in ``XLA_FLAGS``)."""
+def dumped_module(path: str, program: str) -> str:
+    """The optimised module of ``program`` (``decode_steps`` or ``step``) in XLA's dump folder ``path`` (the
+    largest, where several were compiled), or the file ``path`` itself."""
+    if Path(path).is_file():
+        return Path(path).read_text()
+    found = glob.glob(f"{path}/*jit_{program}.*after_optimizations.txt")
+    if not found:
+        raise SystemExit(f"no optimised module of jit_{program} in {path}")
+    return Path(max(found, key=lambda f: Path(f).stat().st_size)).read_text()
+
+
+def optimised_module(config: str, batch: int, context: int, program: str, target: str,
+                     dump: str) -> tuple[str, str]:
+    """(the optimised HLO text of ``program`` for ``config`` at ``batch`` x ``context``, the GPU it was
+    compiled for): the machine's GPU or, without one, ``target``. XLA dumps it into ``dump`` (set in
+    ``XLA_FLAGS`` before the backend starts)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies
@@ -222,11 +238,7 @@ def optimised_module(config: str, batch: int, context: int, program: str, target
         traced.lower(lowering_platforms=("cuda",)).compile()
     except Exception as e:  # noqa: BLE001 - a compile-only device cannot load the program; the dump is there
         print(f"# compile stopped after optimisation ({type(e).__name__}: {str(e)[:80]})", file=sys.stderr)
-    dumped = sorted(glob.glob(f"{dump}/*jit_{'step' if program == 'step' else 'decode_steps'}*"
-                              "_gpu_after_optimizations.txt"))
-    if not dumped:
-        raise SystemExit(f"XLA wrote no optimised module into {dump}")
-    return Path(dumped[-1]).read_text()
+    return dumped_module(dump, program), device.device_kind
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,20 +251,25 @@ def main(argv: list[str] | None = None) -> int:
                    help="the GPU to compile for where the machine has none")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--keep", help="dump XLA's modules into this folder and keep them")
+    p.add_argument("--module", help="count this optimised module (a file, or XLA's dump folder of a run "
+                   "made with XLA_FLAGS=--xla_dump_to=...) instead of compiling")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if min(a.batch, a.context) < 1:
         p.error("--batch and --context must be positive")
-    with tempfile.TemporaryDirectory() as tmp:
-        dump = a.keep or tmp
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
-        hlo = optimised_module(a.config, a.batch, a.context, a.program, a.target, dump)
+    if a.module:
+        hlo, compiled_for = dumped_module(a.module, a.program), f"module {a.module}"
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            dump = a.keep or tmp
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
+            hlo, compiled_for = optimised_module(a.config, a.batch, a.context, a.program, a.target, dump)
     import jax
 
     row = {"bench": "hlo_kernels", "config": a.config, "batch": a.batch, "context": a.context,
-           "program": a.program, "target": a.target, "jax": jax.__version__,
+           "program": a.program, "compiled_for": compiled_for, "jax": jax.__version__,
            **summary(*decode_step_counts(hlo, a.program), a.top)}
-    print(f"{a.config} B={a.batch} ctx={a.context} ({a.program}, XLA:GPU for {a.target}, jax {jax.__version__}): "
+    print(f"{a.config} B={a.batch} ctx={a.context} ({a.program}, {compiled_for}, jax {jax.__version__}): "
           f"{row['kernels_per_step']} kernels, {row['copies_per_step']} copies, {row['conditionals_per_step']} "
           f"conditionals, {row['loops_per_step']} loops a step where no block moves; at most "
           f"{row['kernels_most']} kernels and {row['conditionals_most']} conditionals", file=sys.stderr)

@@ -16,6 +16,9 @@ field:
 - ``projection``: ``config``, ``batch``, ``context``, ``measured_ms``, ``projected_ms``, from
   ``projection.json``;
 - ``parity``: ``model``, ``policy``, ``requests``, ``tokens_equal``, ``max_logit_err``, from ``parity.jsonl``;
+- ``hlo_kernels``: ``config``, ``batch``, ``context``, ``kernels_per_step``, ``copies_per_step``,
+  ``conditionals_per_step``, ``kernels_most``: ``gpu_hlo.py``'s count of the decode profile's optimised module
+  (dumped by that run), from ``hlo_kernels.json``, to set against the trace's count;
 - ``host_copy``: ``model``, ``memory_kind``, ``blocks``, ``page_bytes``, ``down_us``, ``down_gb_per_s``,
   ``up_us``, ``up_gb_per_s``: the host tier's in-step page copies, from ``host_copy.jsonl``.
 
@@ -37,6 +40,8 @@ FIELDS = {
                        "top"),
     "projection": ("config", "program", "batch", "context", "measured_ms", "projected_ms", "measured_gb_per_s"),
     "parity": ("model", "policy", "impl", "requests", "tokens_equal", "max_logit_err", "all_freed", "error"),
+    "hlo_kernels": ("config", "batch", "context", "compiled_for", "kernels_per_step", "copies_per_step",
+                    "conditionals_per_step", "kernels_most"),
     "host_copy": ("model", "memory_kind", "blocks", "page_bytes", "down_us", "down_gb_per_s", "up_us",
                   "up_gb_per_s"),
 }
@@ -76,6 +81,7 @@ def collect(out: Path) -> tuple[list[dict], str | None]:
     for r in _json_lines(out / "parity.jsonl"):
         rows.append(_pick("parity", r))
         device = device or r.get("device")
+    rows.extend(_pick("hlo_kernels", r) for r in _json_lines(out / "hlo_kernels.json"))
     rows.extend(_pick("host_copy", r) for r in _json_lines(out / "host_copy.jsonl"))
     return rows, device
 

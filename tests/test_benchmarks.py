@@ -19,7 +19,7 @@ def test_gpu_session_smoke_runs_every_step_and_writes_the_results_file(tmp_path)
                           text=True, timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = (tmp_path / "steps.txt").read_text().splitlines()
-    assert len(steps) == 5 and all(": exit 0 after" in line for line in steps), steps
+    assert len(steps) == 6 and all(": exit 0 after" in line for line in steps), steps
     # attention_gpu.py checked and timed every implementation; the split kernel says into how many runs.
     log = (tmp_path / "attention_decode.jsonl.log").read_text()
     assert "WRONG" not in log and "cannot run" not in log, log[-2000:]
@@ -41,6 +41,9 @@ def test_gpu_session_smoke_runs_every_step_and_writes_the_results_file(tmp_path)
     assert profile["config"] == "tiny-gptoss" and profile["step_ms"] > 0 and profile["gpu_busy_ms"] is None
     [start] = by["startup"]
     assert 0 < start["warm_s"] and 0 < start["cold_s"]
+    # gpu_hlo.py counted the decode program the cold profile dumped (XLA:CPU's here): a while loop's step.
+    [hlo] = by["hlo_kernels"]
+    assert hlo["config"] == "tiny-gptoss" and hlo["kernels_per_step"] > 0 and hlo["compiled_for"].startswith("module")
     # host_copy.py moved pages both ways (it checks a moved page) and timed them.
     [copy] = by["host_copy"]
     assert copy["blocks"] == 2 and copy["down_gb_per_s"] > 0 and copy["up_gb_per_s"] > 0
@@ -227,9 +230,9 @@ SYNTHETIC_DECODE_MODULE = """HloModule decode_steps
   %t = f32[2]{0} parameter(0)
   %norm = f32[2]{0} fusion(%t), kind=kInput, calls=%fused_a, metadata={op_name="jit(decode_steps)/reduce_sum"}
   %attn = f32[2]{0} custom-call(%norm), custom_call_target="mosaic_gpu_v2"
-  %mm = f32[2]{0} fusion(%attn), kind=kCustom, calls=%fused_a, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %mm = f32[2]{0} fusion(%attn), kind=kCustom, calls=%f, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
   %act = f32[2]{0} fusion(%mm), kind=kLoop, calls=%fused_a, metadata={op_name="jit(decode_steps)/mul"}
-  %mm2 = f32[2]{0} fusion(%act), kind=kCustom, calls=%fused_a, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %mm2 = f32[2]{0} fusion(%act), kind=kCustom, calls=%f, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
   ROOT %out = f32[2]{0} fusion(%mm2), kind=kInput, calls=%fused_a, metadata={op_name="jit(decode_steps)/reduce_sum"}
 }
 
