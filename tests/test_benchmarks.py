@@ -230,9 +230,9 @@ SYNTHETIC_DECODE_MODULE = """HloModule decode_steps
   %t = f32[2]{0} parameter(0)
   %norm = f32[2]{0} fusion(%t), kind=kInput, calls=%fused_a, metadata={op_name="jit(decode_steps)/reduce_sum"}
   %attn = f32[2]{0} custom-call(%norm), custom_call_target="mosaic_gpu_v2"
-  %mm = f32[2]{0} fusion(%attn), kind=kCustom, calls=%f, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %mm = f32[2] fusion(%attn), kind=kCustom, calls=%fused_a, backend_config={"fusion_backend_config":{"kind":"__triton"}}
   %act = f32[2]{0} fusion(%mm), kind=kLoop, calls=%fused_a, metadata={op_name="jit(decode_steps)/mul"}
-  %mm2 = f32[2]{0} fusion(%act), kind=kCustom, calls=%f, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %mm2 = f32[2] fusion(%act), kind=kCustom, calls=%fused_a, backend_config={"fusion_backend_config":{"kind":"__triton"}}
   ROOT %out = f32[2]{0} fusion(%mm2), kind=kInput, calls=%fused_a, metadata={op_name="jit(decode_steps)/reduce_sum"}
 }
 
@@ -283,7 +283,7 @@ def test_gpu_hlo_counts_a_decode_step_through_its_usual_and_its_largest_branches
     assert row["kernels_most"] == 12 and row["conditionals_most"] == 2
     labels = {k["kernel"]: k["per_step"] for k in summary(usual, most, top=20)["top"]}
     assert labels["kInput reduce_sum"] == 2 and labels["custom-call mosaic_gpu_v2"] == 1
-    assert labels["kCustom __triton_gemm"] == 2 and "custom-call xla.gpu.ext.cub_sort_pairs" not in labels
+    assert labels["kCustom __triton"] == 2 and "custom-call xla.gpu.ext.cub_sort_pairs" not in labels
     whole, whole_most = decode_step_counts(SYNTHETIC_DECODE_MODULE, "step")  # the entry: init, the loop once
     assert (whole["#kernels"], whole_most["#kernels"], whole["#loops"]) == (11, 13, 1)
     assert "core_count: 132" in target_config("h200") and "major: 9" in target_config("h200")
