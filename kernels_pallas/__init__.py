@@ -51,17 +51,21 @@ IMPLS = ("auto", "reference", "blocked", "triton", "mosaic_gpu", "tpu", "triton_
 HOPPER = ("H100", "H200", "H800", "H20")  # device kinds of compute capability 9.x
 
 
-def default_impl() -> str:
-    """The implementation ``auto`` prefers (shapes permitting: ``choose``) on the device programs are
-    built for: the abstract mesh's device while one is in use (lowering for a GPU from a CPU-only
-    machine), else the default device."""
+def target_device() -> tuple[str, bool]:
+    """``(platform, hopper)`` of the device programs are built for: the abstract mesh's device while one
+    is in use (lowering for a GPU from a CPU-only machine), else the default device; ``hopper``: a GPU of
+    compute capability 9.x."""
     mesh = jax.sharding.get_abstract_mesh()
     abstract = None if mesh.empty else mesh.abstract_device
     if abstract is not None:
-        platform, hopper = abstract.platform, any(k in abstract.device_kind for k in HOPPER)
-    else:
-        dev = jax.devices()[0]
-        platform, hopper = dev.platform, str(getattr(dev, "compute_capability", "0")).startswith("9")
+        return abstract.platform, any(k in abstract.device_kind for k in HOPPER)
+    dev = jax.devices()[0]
+    return dev.platform, str(getattr(dev, "compute_capability", "0")).startswith("9")
+
+
+def default_impl() -> str:
+    """The implementation ``auto`` prefers (shapes permitting: ``choose``) on ``target_device()``."""
+    platform, hopper = target_device()
     if platform == "tpu":
         return "tpu"
     if platform != "gpu":

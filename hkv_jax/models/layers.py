@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels_pallas import target_device
+
 
 def two_rows_at_least(product, x: jax.Array) -> jax.Array:
     """``product(x)`` for ``x: [R, in]``, a single row padded to two (and the pad dropped after). A one-row
@@ -20,9 +22,12 @@ def two_rows_at_least(product, x: jax.Array) -> jax.Array:
 
 
 class Linear(nnx.Linear):
-    """``nnx.Linear`` whose one-row products run as two (``two_rows_at_least``): a batch-1 decode step."""
+    """``nnx.Linear`` whose one-row products (a batch-1 decode step) run as two on a GPU
+    (``two_rows_at_least``); elsewhere one row is as fast as two and needs no pad."""
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
+        if target_device()[0] != "gpu":
+            return super().__call__(inputs)
         rows = inputs.reshape(-1, inputs.shape[-1])
         return two_rows_at_least(super().__call__, rows).reshape(*inputs.shape[:-1], -1)
 
