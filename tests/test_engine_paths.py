@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import semantic
 from flax import nnx
 
+from hkv_jax.allocator import prefix_cache
+from hkv_jax.allocator.prefix_cache import CLOCK_LIMIT
 from hkv_jax.engine import Engine
 from hkv_jax.engine import decode_batch as decode_batch_module
 from hkv_jax.models.presets import resolve_model
@@ -133,7 +138,7 @@ def test_multi_step_decoding_equals_single_steps():
         new = int(rng.integers(8, 40))
         assert multi.add_request(prompt, new, stop=stop) == single.add_request(prompt, new, stop=stop)
 
-    calls, rates, most, timed = 0, (None, (0.5, 4), (0.25, 4), (0.25, 1)), {}, 0
+    calls, rates, most, timed, renumbered = 0, (None, (0.5, 4), (0.25, 4), (0.25, 1)), {}, 0, 0
     for round_ in range(2):
         for e in (multi, single):
             e.temperature = 0.9 if round_ == 1 else 0.0
@@ -142,8 +147,14 @@ def test_multi_step_decoding_equals_single_steps():
             submit()
         while multi.has_work:
             multi.runner.step_seconds = rate = rates[calls % 4]
-            steps, decoding = multi.stats.steps, len(multi.running)
+            steps, decoding, multi_calls = multi.stats.steps, len(multi.running), multi.stats.multi_step_calls
+            if calls % 3 == 1:  # both clocks at the renumbering limit (years of inserts), their orders kept
+                for e in (multi, single):
+                    e.state = replace(e.state, alloc=_clock_at_limit(e.state.alloc))
             rids, tokens = multi.step_tokens()
+            if calls % 3 == 1 and multi.stats.multi_step_calls > multi_calls:  # renumbered before its steps
+                assert int(multi.state.alloc.block_pool.prefix_cache.clock) < CLOCK_LIMIT
+                renumbered += 1
             if round_ == 1:
                 limit = 1 if rate is None else max(1, int(1.0 / (rate[0] * max(1, decoding / rate[1]))))
                 assert multi.stats.steps - steps <= limit, f"call {calls}"
@@ -169,7 +180,16 @@ def test_multi_step_decoding_equals_single_steps():
     assert {rid: r.generated for rid, r in multi.requests.items()} == \
         {rid: r.generated for rid, r in single.requests.items()}
     assert multi.stats.multi_step_calls > 0 and calls < multi.stats.steps
-    assert most == {1: 1, 2: 2, 4: 4} and timed > 0
+    assert most == {1: 1, 2: 2, 4: 4} and timed > 0 and renumbered > 0
+
+
+def _clock_at_limit(alloc):
+    """``alloc`` with its prefix cache's insertion clock at ``CLOCK_LIMIT``: every time moved by as much."""
+    cache = alloc.block_pool.prefix_cache
+    shift = CLOCK_LIMIT - cache.clock
+    cache = replace(cache, clock=cache.clock + shift,
+                    cached_at=jnp.where(prefix_cache.is_cached(cache), cache.cached_at + shift, cache.cached_at))
+    return replace(alloc, block_pool=replace(alloc.block_pool, prefix_cache=cache))
 
 
 def test_a_plan_goes_to_the_device_once_and_again_when_it_changes():

@@ -222,16 +222,18 @@ def reset_prefix_cache(layout: Layout, state: AllocatorState) -> tuple[Allocator
                    step_cached=jnp.where(ok, False, state.step_cached)), ok
 
 
-def new_step(layout: Layout, state: AllocatorState) -> AllocatorState:
+def new_step(layout: Layout, state: AllocatorState, renumber: bool = True) -> AllocatorState:
     """A scheduler step begins: Mamba states cached in the previous step may now serve hits. Call it
-    once per step: it also renumbers the prefix cache's insertion clock before it nears int32's end."""
+    once per step: it also renumbers the prefix cache's insertion clock before it nears int32's end.
+
+    ``renumber`` (static) False leaves the clock alone: a program of several steps renumbers once, before
+    them (the clock moves by at most a block per request and group a step, against 2^30 of headroom), so
+    that its steps hold no conditional (on a GPU each reads its predicate back to the host)."""
     del layout
-    cache = jax.lax.cond(
-        state.block_pool.prefix_cache.clock >= prefix_cache.CLOCK_LIMIT,
-        prefix_cache.renumber_clock,
-        lambda c: c,
-        state.block_pool.prefix_cache,
-    )
+    cache = state.block_pool.prefix_cache
+    if renumber:
+        cache = jax.lax.cond(cache.clock >= prefix_cache.CLOCK_LIMIT, prefix_cache.renumber_clock, lambda c: c,
+                             cache)
     return replace(
         state, block_pool=replace(state.block_pool, prefix_cache=cache), step_cached=jnp.zeros_like(state.step_cached)
     )

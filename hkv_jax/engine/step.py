@@ -457,10 +457,11 @@ def decode_steps(static: StepStatic, steps: int, params: list[jax.Array], state:
     """
     layout = static.layout
     slot_of, active = jnp.maximum(plan.slots, 0), plan.want > 0
+    state = replace(state, alloc=ops.new_step(layout, state.alloc))  # the clock, renumbered once
 
     def body(carry):
         i, state, reports, logits, _ = carry
-        alloc = ops.new_step(layout, state.alloc)
+        alloc = ops.new_step(layout, state.alloc, renumber=False)
         alloc, ok, path = ops.decode_step(layout, alloc, slot_of, fallback=False, mask=active)
         ran = path != DecodePath.FALLBACK  # the fallback's steps: this one does not run (decode_step applied nothing)
 
