@@ -8,6 +8,9 @@ steps each (the median per step after two warm calls), then records a profiler t
 - ``gpu_busy_ms``: per step, the union of the intervals in which the device ran anything (kernels and
   copies on any stream of a ``/device:*`` process);
 - ``kernels_per_step``: device events that are not copies or memsets, per step;
+- ``d2h_per_step`` and ``d2h_wait_us_median``: device-to-host copies per step (each conditional's and
+  the loop's predicate, unless XLA runs them in a CUDA graph; a call's reports) and the median time the
+  device then sits idle;
 - ``top``: the kernels with the most device time (name, calls per step, microseconds per step).
 
 On a CPU the trace has no device process: the two device fields are ``None`` and only the wall time is
@@ -46,18 +49,26 @@ def device_events(trace: dict | list) -> list[dict]:
 
 
 def summarise(events: list[dict], steps: int, top: int = 10) -> dict:
-    """Busy milliseconds, kernels and the top kernels per step of ``steps`` steps' device ``events``."""
-    busy, end = 0.0, float("-inf")
+    """Busy milliseconds, kernels and the top kernels per step of ``steps`` steps' device ``events``; the
+    device-to-host copies per step (a conditional's or a loop's predicate, the reports) and the median idle
+    gap after one (the device waiting for the host to read it and launch what follows)."""
+    busy, end, last, waits = 0.0, float("-inf"), None, []
     for e in sorted(events, key=lambda e: e["ts"]):  # the union of [ts, ts + dur)
         lo, hi = e["ts"], e["ts"] + e.get("dur", 0)
+        if lo > end and last is not None and last["name"].startswith("MemcpyD2H"):
+            waits.append(lo - end)
         busy += max(0.0, hi - max(lo, end))
-        end = max(end, hi)
+        if hi >= end:
+            end, last = hi, e
     kernels = [e for e in events if not e["name"].startswith(COPIES)]
     time_of, calls = collections.Counter(), collections.Counter()
     for e in kernels:
         time_of[e["name"]] += e.get("dur", 0)
         calls[e["name"]] += 1
+    d2h = sum(e["name"].startswith("MemcpyD2H") for e in events)
     return {"gpu_busy_ms": round(busy / steps / 1e3, 4), "kernels_per_step": round(len(kernels) / steps, 1),
+            "d2h_per_step": round(d2h / steps, 1),
+            "d2h_wait_us_median": round(statistics.median(waits), 1) if waits else None,
             "top": [{"kernel": name, "calls_per_step": round(calls[name] / steps, 2),
                      "us_per_step": round(us / steps, 2)} for name, us in time_of.most_common(top)]}
 
@@ -119,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{a.config} B={a.batch} ctx={a.context}: {row['step_ms']:.3f} ms a step on {row['device']}",
               file=sys.stderr)
     if row["gpu_busy_ms"] is not None:
-        print(f"device busy {row['gpu_busy_ms']:.3f} ms a step, {row['kernels_per_step']} kernels a step; top:",
-              file=sys.stderr)
+        print(f"device busy {row['gpu_busy_ms']:.3f} ms a step, {row['kernels_per_step']} kernels a step, "
+              f"{row['d2h_per_step']} reads to the host a step (the device idle {row['d2h_wait_us_median']} us "
+              "after one, median); top:", file=sys.stderr)
         for k in row["top"]:
             print(f"  {k['us_per_step']:9.2f} us {k['calls_per_step']:6.2f}x  {k['kernel'][:100]}", file=sys.stderr)
     else:

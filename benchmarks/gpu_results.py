@@ -9,6 +9,7 @@ field:
 - ``attention_prefill``: ``impl``, ``batch``, ``context``, ``time_us``, ``tflops``, from
   ``attention_prefill.jsonl``;
 - ``decode_profile``: ``config``, ``batch``, ``context``, ``step_ms``, ``gpu_busy_ms``, ``kernels_per_step``,
+  ``d2h_per_step``, ``d2h_wait_us_median``,
   from ``decode_profile_cold.json``;
 - ``startup``: ``config``, ``cold_s``, ``warm_s``: the decode profile's setup (model, engine, compiles and the
   prefill) in a fresh process with an empty compilation cache, and again with that cache filled
@@ -37,7 +38,7 @@ FIELDS = {
     "attention_decode": ("impl", "batch", "context", "page", "time_us", "peak_fraction", "splits", "kv_dtype"),
     "attention_prefill": ("impl", "batch", "context", "page", "time_us", "tflops", "splits"),
     "decode_profile": ("config", "batch", "context", "decode_steps", "step_ms", "gpu_busy_ms", "kernels_per_step",
-                       "top"),
+                       "d2h_per_step", "d2h_wait_us_median", "top"),
     "projection": ("config", "program", "batch", "context", "measured_ms", "projected_ms", "measured_gb_per_s"),
     "parity": ("model", "policy", "impl", "requests", "tokens_equal", "max_logit_err", "all_freed", "error"),
     "hlo_kernels": ("config", "batch", "context", "compiled_for", "kernels_per_step", "copies_per_step",

@@ -65,6 +65,7 @@ def test_decode_profile_reads_device_busy_time_and_kernels_from_a_trace():
     assert row["gpu_busy_ms"] == round(11 / 2 / 1e3, 4)
     assert row["kernels_per_step"] == 1.5  # 3 kernels (the copy is not one) over 2 steps
     assert row["top"] == [{"kernel": "norm", "calls_per_step": 0.5, "us_per_step": 4.0}]
+    assert row["d2h_per_step"] == 0.5 and row["d2h_wait_us_median"] == 9.0  # idle from 31 to 40
 
 
 def test_compile_profile_counts_each_kernel_at_its_innermost_source_line():
