@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import kernels_pallas
 from hkv_jax.allocator import host_tier, ops
 from hkv_jax.allocator.decode import DecodePath
 from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout, hash_once
@@ -321,8 +322,12 @@ def _sample(static: StepStatic, state: EngineState, plan: StepPlan, alloc: Alloc
 
     adjust, adjusted = _logits_processors(plan, alloc, b, per_row, positions, rows_sample, penalties, prompt_len,
                                           min_tokens)
-    # A step where no sampled row has any skips them: a conditional on the tokens, so that no [R, V] copy is made.
-    new_tokens = jax.lax.cond(jnp.any(adjust), lambda: draw(adjusted(logits)), lambda: draw(logits))
+    # A step where no sampled row has any skips them: a conditional on the tokens, so that no [R, V] copy is
+    # made; on a GPU a select instead (``conditionals_sync``: the [R, V] pass costs less than the read).
+    if kernels_pallas.conditionals_sync():
+        new_tokens = draw(jnp.where(jnp.any(adjust), adjusted(logits), logits))
+    else:
+        new_tokens = jax.lax.cond(jnp.any(adjust), lambda: draw(adjusted(logits)), lambda: draw(logits))
     return new_tokens, do_sample, key
 
 
