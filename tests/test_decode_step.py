@@ -81,28 +81,3 @@ def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned, ear
     assert 3 in paths or num_blocks != 40  # the small pool reaches the fallback
     assert not check_idle or {10, 11} <= paths
 
-
-def test_appending_hashes_the_same_with_or_without_its_conditional(monkeypatch):
-    """Where a conditional reads its predicate back to the host (``kernels_pallas.conditionals_sync``: a GPU),
-    ``append_batch`` hashes every lane and keeps the full blocks' hashes; elsewhere it hashes only in steps
-    where a block fills. Both leave the same state, step after step (blocks fill in some steps only)."""
-    import kernels_pallas
-
-    cfg = plan(MODELS["three"], block_size=BS, policy="vllm", num_blocks=200)
-    layout = Layout.from_config(cfg, max_model_len=T, max_requests=B)
-    rng = np.random.default_rng(3)
-    slots = jnp.arange(B, dtype=jnp.int32)
-    start = ops.add_batch(layout, init_state(layout), slots, jnp.asarray(rng.integers(1, 9, (B, T)), jnp.int32),
-                          jnp.asarray(rng.integers(1, 12, B), jnp.int32), jnp.zeros(B, jnp.uint32))
-    states = {}
-    for sync in (False, True):
-        monkeypatch.setattr(kernels_pallas, "conditionals_sync", lambda sync=sync: sync)
-        append = jax.jit(ops.append_batch, static_argnums=0)  # traced afresh under each answer
-        st = start
-        for _ in range(6):
-            st = append(layout, st, slots, jnp.asarray(rng.integers(1, 9, B), jnp.int32))
-        states[sync] = st
-        rng = np.random.default_rng(3)
-        rng.integers(1, 9, (B, T)), rng.integers(1, 12, B)  # the same appended tokens in the second run
-    same = jax.tree.map(lambda x, y: np.array_equal(x, y), states[False], states[True])
-    assert all(jax.tree.leaves(same)) and int(states[True].hashes.any(axis=-1).sum()) > 0

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernels_pallas
 from hkv_jax.allocator import block_pool, free_queue, prefix_cache
 from hkv_jax.allocator.hashing import SEED, block_hashes, hash_one_block
 from hkv_jax.allocator.managers import eviction_order
@@ -117,15 +116,15 @@ def append_batch(layout: Layout, state: AllocatorState, slots, tokens, mask=None
 
     # Hashing costs a few hundred operations per block: only in steps where a block fills. Its gathers
     # run there too: XLA:CPU splits a gather from an array of a megabyte or more across threads however
-    # few elements it takes, and run every step those two cost ~10 us each at 256 requests. On a GPU the
-    # conditional would cost more than the hashing (``conditionals_sync``): the rows not full are dropped.
+    # few elements it takes, and run every step those two cost ~10 us each at 256 requests. A GPU keeps the
+    # conditional too: XLA:GPU runs a block's hash as a kernel per few tokens (264 for Jamba's 256-token
+    # hash blocks), more than the predicate's read to the host costs.
     def hash_filled():
         parent = jnp.where((idx > 0)[:, None], state.hashes[slots, jnp.maximum(idx - 1, 0)], jnp.asarray(SEED))
         blk = toks[slots[:, None], idx[:, None] * bs + jnp.arange(bs)[None, :]]           # [B, bs]
         return jax.vmap(hash_one_block, (0, 0, 0, 0, None))(parent, blk, state.salt[slots], idx == 0, _NO_EXTRA)
 
-    h = (hash_filled() if kernels_pallas.conditionals_sync() else
-         jax.lax.cond(jnp.any(full), hash_filled, lambda: jnp.zeros((slots.shape[0], 4), jnp.uint32)))
+    h = jax.lax.cond(jnp.any(full), hash_filled, lambda: jnp.zeros((slots.shape[0], 4), jnp.uint32))
     hashes = state.hashes.at[jnp.where(full, slots, R), idx].set(h, mode="drop")
     return replace(state, tokens=toks, hashes=hashes).with_counters(at, num_tokens=n1)
 
