@@ -10,8 +10,10 @@ the GPU, and counts one decode step: one iteration of ``runner.DECODE_STEPS``'s 
 step``: ``runner.STEP``, the whole program).
 
 - ``kernels_per_step``: the fusions and custom calls (attention, KV write, Triton GEMMs, sorts) a step
-  launches. Where the step branches (``lax.cond``), the count follows each conditional's largest branch, so
-  it is an upper bound, and the model's forward pass, the largest branch, is always in it.
+  where no block moves launches. Where the step branches (``lax.cond``), the count follows each
+  conditional's branch of the fewest kernels, but for the one holding at least half of the most a step can
+  run: the model's forward pass, which every decode step runs. ``kernels_most`` and ``conditionals_most``
+  follow every largest branch instead (a step that moves blocks and samples; an upper bound).
 - ``copies_per_step``: HLO copies on that path (buffer copies; a profiler trace lists them as memcpys).
 - ``conditionals_per_step`` and ``loops_per_step``: the ``conditional`` and ``while`` ops on that path (each
   loop counted once). Unless XLA runs them inside a CUDA graph, each reads its predicate back to the host
