@@ -296,6 +296,9 @@ def _logits_processors(plan: StepPlan, alloc: AllocatorState, b: _Batch, per_row
     return adjust, adjusted
 
 
+SELECT_LOGITS = 1 << 22  # the most logits whose processors run as a select rather than a conditional on a GPU
+
+
 def _sample(static: StepStatic, state: EngineState, plan: StepPlan, alloc: AllocatorState, b: _Batch, ok, logits):
     """Stage 4, the sampler: ``(tokens i32[R * P], do_sample bool[R], key)``, each sampled row under its
     request's values, after the logits processors where some row has any."""
@@ -323,8 +326,9 @@ def _sample(static: StepStatic, state: EngineState, plan: StepPlan, alloc: Alloc
     adjust, adjusted = _logits_processors(plan, alloc, b, per_row, positions, rows_sample, penalties, prompt_len,
                                           min_tokens)
     # A step where no sampled row has any skips them: a conditional on the tokens, so that no [R, V] copy is
-    # made; on a GPU a select instead (``conditionals_sync``: the [R, V] pass costs less than the read).
-    if kernels_pallas.conditionals_sync():
+    # made. On a GPU (``conditionals_sync``) a select instead where the logits are few: the processors'
+    # few passes over 2^22 floats take about the 50 us an H200 idles for a conditional's read.
+    if kernels_pallas.conditionals_sync() and logits.size <= SELECT_LOGITS:
         new_tokens = draw(jnp.where(jnp.any(adjust), adjusted(logits), logits))
     else:
         new_tokens = jax.lax.cond(jnp.any(adjust), lambda: draw(adjusted(logits)), lambda: draw(logits))
