@@ -13,7 +13,7 @@ steps each (the median per step after two warm calls), then records a profiler t
   device then sits idle;
 - ``top``: the kernels with the most device time (name, calls per step, microseconds per step).
 
-On a CPU the trace has no device process: the two device fields are ``None`` and only the wall time is
+On a CPU the trace has no device process: the device fields are ``None`` and only the wall time is
 measured (``--smoke`` runs that way, so that CI keeps the script working). ``--trace FILE`` summarises a
 trace written before instead (``*.trace.json.gz``). Run: ``python benchmarks/decode_profile.py
 --config gemma-3-270m --batch 1 --context 1024 [--json]``.
@@ -90,7 +90,7 @@ def profile(config: str, batch: int, context: int, decode_steps: int, calls: int
     row = {"bench": "decode_profile", "config": config, "batch": batch, "context": context,
            "decode_steps": decode_steps, "device": jax.devices()[0].device_kind, "setup_s": round(setup, 1),
            "step_ms": round(statistics.median(times[2:] or times) * 1e3, 3), "gpu_busy_ms": None,
-           "kernels_per_step": None, "top": []}
+           "kernels_per_step": None, "d2h_per_step": None, "d2h_wait_us_median": None, "top": []}
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             for _ in range(traced_calls):

@@ -173,8 +173,8 @@ def decode_step_counts(hlo: str, program: str) -> tuple[collections.Counter, col
     def count(names, floor=None):
         return sum((path_count(comps, c, floor) for c in names), collections.Counter())
     most = max((count(names) for names in parts), key=lambda r: r["#kernels"])
-    forward = max((count(names, most["#kernels"] // 2) for names in parts), key=lambda r: r["#kernels"])
-    return forward, most
+    usual = max((count(names, most["#kernels"] // 2) for names in parts), key=lambda r: r["#kernels"])
+    return usual, most
 
 
 def summary(usual: collections.Counter, most: collections.Counter, top: int) -> dict:

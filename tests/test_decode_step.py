@@ -80,4 +80,3 @@ def test_decode_step_equals_sequential_schedules(model, num_blocks, aligned, ear
     assert 2 in paths or model in ("mamba", "full") or num_blocks == 40
     assert 3 in paths or num_blocks != 40  # the small pool reaches the fallback
     assert not check_idle or {10, 11} <= paths
-

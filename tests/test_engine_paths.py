@@ -11,7 +11,6 @@ from conftest import semantic
 from flax import nnx
 
 from hkv_jax.allocator import prefix_cache
-from hkv_jax.allocator.prefix_cache import CLOCK_LIMIT
 from hkv_jax.engine import Engine
 from hkv_jax.engine import decode_batch as decode_batch_module
 from hkv_jax.models.presets import resolve_model
@@ -153,7 +152,7 @@ def test_multi_step_decoding_equals_single_steps():
                     e.state = replace(e.state, alloc=_clock_at_limit(e.state.alloc))
             rids, tokens = multi.step_tokens()
             if calls % 3 == 1 and multi.stats.multi_step_calls > multi_calls:  # renumbered before its steps
-                assert int(multi.state.alloc.block_pool.prefix_cache.clock) < CLOCK_LIMIT
+                assert int(multi.state.alloc.block_pool.prefix_cache.clock) < prefix_cache.CLOCK_LIMIT
                 renumbered += 1
             if round_ == 1:
                 limit = 1 if rate is None else max(1, int(1.0 / (rate[0] * max(1, decoding / rate[1]))))
@@ -184,9 +183,9 @@ def test_multi_step_decoding_equals_single_steps():
 
 
 def _clock_at_limit(alloc):
-    """``alloc`` with its prefix cache's insertion clock at ``CLOCK_LIMIT``: every time moved by as much."""
+    """``alloc``, its prefix cache's insertion clock at ``prefix_cache.CLOCK_LIMIT``: every time moved as much."""
     cache = alloc.block_pool.prefix_cache
-    shift = CLOCK_LIMIT - cache.clock
+    shift = prefix_cache.CLOCK_LIMIT - cache.clock
     cache = replace(cache, clock=cache.clock + shift,
                     cached_at=jnp.where(prefix_cache.is_cached(cache), cache.cached_at + shift, cache.cached_at))
     return replace(alloc, block_pool=replace(alloc.block_pool, prefix_cache=cache))

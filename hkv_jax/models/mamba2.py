@@ -61,7 +61,7 @@ class Mamba2(nnx.Module):
             raise ValueError(f"mamba_n_heads ({cfg.num_heads}) must be a multiple of mamba_n_groups ({cfg.n_groups})")
         self.cfg, self.name = cfg, name
         self.in_proj = Linear(cfg.hidden_size, cfg.inner + cfg.conv_dim + cfg.num_heads, use_bias=False,
-                                  rngs=rngs)
+                              rngs=rngs)
         self.conv_w = nnx.Param(jax.random.normal(rngs.params(), (cfg.d_conv, cfg.conv_dim)) / cfg.d_conv)
         self.conv_b = nnx.Param(jnp.zeros(cfg.conv_dim))
         self.dt_bias = nnx.Param(jax.random.uniform(rngs.params(), (cfg.num_heads,), minval=-3.0, maxval=-1.0))
