@@ -66,7 +66,7 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array, 
         items = ragged.work_items(query_start_loc, num_tokens, block_q)
         b = ragged.item_bounds(items, query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32), block_q,
                                params)
-        q_items, unpack = ragged.gather_queries(q, items, block_q), lambda out: ragged.scatter_outputs(out, items)
+        q_items, unpack = ragged.gather_queries(q, items), lambda out: ragged.scatter_outputs(out, items)
     n = b.seq.shape[0]
     row = jnp.arange(block_q)
     q_pos = b.p0[:, None] + row                                    # [I, bq]

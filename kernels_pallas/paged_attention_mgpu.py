@@ -16,7 +16,7 @@ Split over the context (flash-decoding): with ``splits > 1`` the grid gets a
 third axis, and program ``s`` walks only the ``s``-th of ``splits`` equal runs
 of its item's tiles. It writes its own normalised output (in q's dtype) and the
 log of its softmax denominator (``m + log l``, f32); ``_combine`` then weighs
-the runs by their denominators (and the sink) in one XLA pass. One decode
+each token's runs by their denominators (and the sink) in one XLA pass. One decode
 sequence has ``Hkv`` programs without a split: 8 of an H200's 132 SMs busy,
 each walking the whole context. ``default_splits`` fills the SMs, and a
 sliding window's item still splits only the tiles of its window.
@@ -307,18 +307,38 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
     plgpu.wait_smem_to_gmem(0)
 
 
-def _combine(o: jax.Array, lse: jax.Array, sinks_rows: jax.Array | None) -> jax.Array:
-    """The split runs' outputs ``[I, Hkv, splits, ROWS, D]`` weighed by their softmax denominators
-    ``lse: f32[I, Hkv, splits, ROWS]`` (and the sink): ``[I, Hkv, ROWS, D]`` in o's dtype."""
-    top = lse.max(axis=2)
-    if sinks_rows is not None:
-        top = jnp.maximum(top, sinks_rows[None])
-    w = jnp.exp(lse - top[:, :, None])       # the largest term (a run or the sink) weighs 1: denom >= 1
-    denom = w.sum(axis=2)
-    if sinks_rows is not None:
-        denom = denom + jnp.exp(sinks_rows[None] - top)
-    out = jnp.einsum("ihsr,ihsrd->ihrd", w, o.astype(jnp.float32)) / denom[..., None]
-    return out.astype(o.dtype)
+def _merge(x, y):
+    """Two runs' ``(log-denominator, normalised output)`` as one: the online softmax's step, associative."""
+    (m1, a1), (m2, a2) = x, y
+    m = jnp.maximum(m1, m2)
+    w1, w2 = jnp.exp(m1 - m), jnp.exp(m2 - m)  # the larger weighs 1; two unseen runs weigh 1 each
+    return m + jnp.log(w1 + w2), (w1 * a1 + w2 * a2) / (w1 + w2)
+
+
+def _combine(o: jax.Array, lse: jax.Array, sinks: jax.Array | None, items: ragged.WorkItems,
+             group: int) -> jax.Array:
+    """Each query token's output ``[T, Hq, D]`` (zeros for padding tokens) from the split runs' outputs
+    ``[I, Hkv, splits, ROWS, D]``, weighed by their softmax denominators ``lse: f32[I, Hkv, splits, ROWS]``
+    and the sinks (``f32[Hq]``: a run whose output is zero). ``ROWS`` are ``ROWS / group`` tokens x ``group``
+    heads.
+
+    Only the tokens' rows are combined (an item's other rows hold nothing): gathered first, then merged
+    pairwise (``_merge``, a tree of ``splits - 1`` merges written out). XLA:GPU fuses the gathers, the
+    merges and the cast into one kernel for a few runs and two for many (``benchmarks/gpu_hlo.py``); a max,
+    a weighted sum and a scatter to the tokens took up to three more."""
+    n, hkv, splits, rows, d = o.shape
+    per_token = lambda x: x.reshape(n, hkv, splits, rows // group, group, *x.shape[4:]).at[  # noqa: E731
+        items.token_item, :, :, items.token_row].get(mode="fill", fill_value=0)   # [T, Hkv, splits, G, ...]
+    o_t, lse_t = per_token(o).astype(jnp.float32), per_token(lse)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, 1, group), (*lse_t.shape[:2], 1, group))
+        lse_t = jnp.concatenate([lse_t, sink], axis=2)
+        o_t = jnp.concatenate([o_t, jnp.zeros_like(o_t[:, :, :1])], axis=2)
+    runs = [(lse_t[:, :, s, :, None], o_t[:, :, s]) for s in range(lse_t.shape[2])]
+    while len(runs) > 1:
+        runs = [_merge(*runs[i:i + 2]) if i + 1 < len(runs) else runs[i] for i in range(0, len(runs), 2)]
+    out = runs[0][1]
+    return out.reshape(out.shape[0], hkv * group, d).astype(o.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("params", "interpret", "splits"))
@@ -348,18 +368,14 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     scalars, rows = _item_metadata(items, query_start_loc.astype(jnp.int32),
                                    seq_lens.astype(jnp.int32), block_q, params, group)
     # [I, block_q, Hkv, G, D] -> [I, Hkv, ROWS, D]: one contiguous Q tile per program.
-    q_items = ragged.gather_queries(q, items, block_q).reshape(n, block_q, hkv, group, d)
+    q_items = ragged.gather_queries(q, items).reshape(n, block_q, hkv, group, d)
     q_items = q_items.transpose(0, 2, 1, 3, 4).reshape(n, hkv, ROWS, d)
     # Each table row as [rows, TABLE_COLS] (zero padded: the null block), one TMA copy.
     S, max_blocks = block_tables.shape
     rows_ = _table_rows(max_blocks)
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, rows_ * TABLE_COLS - max_blocks)))
     bt = bt.reshape(S, rows_, TABLE_COLS)
-    sinks_rows = None
-    if sinks is not None:
-        sinks_rows = jnp.repeat(sinks.astype(jnp.float32).reshape(hkv, 1, group), block_q, axis=1)
-        sinks_rows = sinks_rows.reshape(hkv, ROWS)
-    in_kernel_sinks = sinks is not None and splits == 1
+    in_kernel_sinks = sinks is not None and splits == 1  # split runs: the sinks enter in _combine
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     chunk = math.gcd(bs, KEYS)
     fp8 = is_fp8(kv_pages.dtype)
@@ -392,9 +408,11 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     meta = jnp.pad(scalars, ((0, 0), (0, 8 - META)))  # 32-byte rows for TMA
-    extra = (sinks_rows,) if in_kernel_sinks else ()
+    extra = ()
+    if in_kernel_sinks:  # each row's head's sink
+        extra = (jnp.repeat(sinks.astype(jnp.float32).reshape(hkv, 1, group), block_q, axis=1).reshape(hkv, ROWS),)
     o = kernel(meta, rows, bt, q_items, kv_pages, *extra)
     if splits > 1:
-        o = _combine(*o, sinks_rows)
+        return _combine(*o, sinks, items, group)
     o = o.reshape(n, hkv, block_q, group, d).transpose(0, 2, 1, 3, 4).reshape(n, block_q, hq, d)
     return ragged.scatter_outputs(o, items)

@@ -151,7 +151,7 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
                            block_q, params)
     bounds = jnp.stack([b.seq, b.p0, b.n_rows, b.k_lo], axis=1)          # i32[I, 4]
     n = items.seq.shape[0]
-    q_items = ragged.gather_queries(q, items, block_q).reshape(n, block_q, hkv, group, d)
+    q_items = ragged.gather_queries(q, items).reshape(n, block_q, hkv, group, d)
     q_items = jnp.pad(q_items, ((0, 0), (0, 0), (0, 0), (0, padded - group), (0, 0)))
     def whole(shape):
         return pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))

@@ -113,7 +113,7 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
                            block_q, params)
     n = items.seq.shape[0]
     # Each program's query rows as one [rows, D] tile: [I, block_q, Hkv, G, D] -> [I, Hkv, rows, D].
-    q_items = ragged.gather_queries(q, items, block_q).reshape(n, block_q, hkv, group, d)
+    q_items = ragged.gather_queries(q, items).reshape(n, block_q, hkv, group, d)
     q_items = q_items.transpose(0, 2, 1, 3, 4).reshape(n, hkv, rows, d)
     tile = pl.BlockSpec((None, None, rows, d), lambda i, h, *_: (i, h, 0, 0))
     in_specs = [tile, pl.BlockSpec(memory_space=pl.ANY)]

@@ -32,13 +32,15 @@ class WorkItems:
     ``seq: i32[I]``: the sequence of each item (``S`` for an unused slot);
     ``q_block: i32[I]``: which ``block_q`` rows of that sequence's queries;
     ``token_item, token_row: i32[T]``: where each query token sits in the items
-    (``I`` for padding tokens).
+    (``I`` for padding tokens); ``row_token: i32[I, block_q]``: the token in
+    each item row (``T`` for a row without one).
     """
 
     seq: jax.Array
     q_block: jax.Array
     token_item: jax.Array
     token_row: jax.Array
+    row_token: jax.Array
 
 
 def work_items(query_start_loc: jax.Array, num_tokens: int, block_q: int) -> WorkItems:
@@ -55,15 +57,18 @@ def work_items(query_start_loc: jax.Array, num_tokens: int, block_q: int) -> Wor
     tseq, tvalid = token_sequences(query_start_loc, num_tokens)
     offset = jnp.arange(num_tokens) - query_start_loc[tseq]
     token_item = jnp.where(tvalid, starts[tseq] + offset // block_q, n)
+    seq_c = jnp.minimum(seq, num_seqs - 1)
+    token = (query_start_loc[seq_c] + q_block * block_q)[:, None] + jnp.arange(block_q)
+    has_token = (seq < num_seqs)[:, None] & (token < query_start_loc[seq_c + 1][:, None])
     return WorkItems(seq, q_block.astype(jnp.int32), token_item.astype(jnp.int32),
-                     (offset % block_q).astype(jnp.int32))
+                     (offset % block_q).astype(jnp.int32), jnp.where(has_token, token, num_tokens).astype(jnp.int32))
 
 
-def gather_queries(q: jax.Array, items: WorkItems, block_q: int) -> jax.Array:
-    """``q: [T, H, D]`` -> ``[I, block_q, H, D]`` (rows without a token are zero)."""
-    n = items.seq.shape[0]
-    out = jnp.zeros((n, block_q, *q.shape[1:]), q.dtype)
-    return out.at[items.token_item, items.token_row].set(q, mode="drop")
+def gather_queries(q: jax.Array, items: WorkItems) -> jax.Array:
+    """``q: [T, H, D]`` -> ``[I, block_q, H, D]`` (rows without a token are zero). A gather, each row
+    reading its token: zeros and a scatter into them would be two kernels on a GPU, and a copy of the
+    zeros per layer where XLA shares one zero array among the layers."""
+    return q.at[items.row_token].get(mode="fill", fill_value=0)
 
 
 def scatter_outputs(o_items: jax.Array, items: WorkItems) -> jax.Array:
