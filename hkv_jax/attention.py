@@ -59,6 +59,11 @@ class AttentionMetadata:
     slot_mappings: tuple[jax.Array, ...]
     record_positions: int = field(default=0, metadata=dict(static=True))
 
+    @property
+    def num_tokens(self) -> int:
+        """The batch's query tokens ``T``. A model may run its dense layers on more rows (``real_tokens``)."""
+        return self.slot_mappings[0].shape[0]
+
 
 def make_metadata(cache: KVCache, block_tables: Sequence[jax.Array], query_start_loc: jax.Array,
                   seq_lens: jax.Array, num_tokens: int, record_positions: int = 0) -> AttentionMetadata:
@@ -76,6 +81,20 @@ def make_metadata(cache: KVCache, block_tables: Sequence[jax.Array], query_start
     )
     return AttentionMetadata(query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
                              tuple(jnp.asarray(bt, jnp.int32) for bt in block_tables), slots, record_positions)
+
+
+def real_tokens(f, metadata: AttentionMetadata, *rows: jax.Array | None):
+    """``f(*rows)`` over the batch's ``metadata.num_tokens`` tokens. A model may give its layers more rows
+    than that (it pads a single token to two on a GPU: ``models.layers.gemm_rows``): those are cut off
+    before ``f`` (``attention``, a recurrent layer's scan), and ``f``'s result (the first of a tuple) gets zero
+    rows in their place after."""
+    n, t = rows[0].shape[0], metadata.num_tokens
+    if n == t:
+        return f(*rows)
+    out = f(*(None if r is None else r[:t] for r in rows))
+    first = out[0] if isinstance(out, tuple) else out
+    first = jnp.pad(first, [(0, n - t)] + [(0, 0)] * (first.ndim - 1))
+    return (first, *out[1:]) if isinstance(out, tuple) else first
 
 
 def check_kernel(config: KVCacheConfig, impl: str, max_blocks: int) -> None:
@@ -114,10 +133,16 @@ def attention(layer: str, q: jax.Array, k: jax.Array | None, v: jax.Array | None
     """KV write + ragged paged attention of ``layer``: ``(out [T, Hq, D], cache)``.
 
     ``q: [T, Hq, D]``; ``k, v: [T, Hkv, D]`` (``None`` for a KV-sharing layer).
-    ``sinks: f32[Hq]`` are gpt-oss attention-sink logits. ``impl`` picks the
-    kernel (``kernels_pallas``). Donate the cache in the enclosing jit so the
-    write happens in place.
+    Rows past ``metadata.num_tokens`` (a model's padding rows:
+    ``real_tokens``) are padding tokens: not written, zeros out. ``sinks:
+    f32[Hq]`` are gpt-oss attention-sink logits. ``impl`` picks the kernel
+    (``kernels_pallas``). Donate the cache in the enclosing jit so the write
+    happens in place.
     """
+    if q.shape[0] != metadata.num_tokens:
+        return real_tokens(lambda q, k, v: attention(layer, q, k, v, cache, metadata, sinks=sinks, sm_scale=sm_scale,
+                                                     soft_cap=soft_cap, impl=impl, interpret=interpret),
+                           metadata, q, k, v)
     slot = cache.layout.slot(layer)
     if (k is None) != (v is None):
         raise ValueError(f"layer {layer!r}: give both k and v, or neither (KV sharing)")

@@ -108,3 +108,46 @@ def test_malformed_configs_raise_value_error(config, message):
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown preset"):
         load_preset("gpt-5")
+
+
+@pytest.mark.parametrize("name", ["gemma3", "tiny-jamba", "tiny-gemma4"])
+def test_a_single_token_run_as_two_rows_as_on_a_gpu_gives_the_same_logits_and_pages(name, monkeypatch):
+    """On a GPU a batch-1 decode step runs its dense layers on two rows (``layers.gemm_rows``) and no Linear
+    pads its own input; the padding row writes no page, moves no Mamba state and changes no logit. Gemma 3,
+    attention + Mamba-2, and KV sharing with keys as values."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from test_gemma3 import SMALL
+
+    from hkv_jax.attention import make_metadata
+    from hkv_jax.cache import init_cache
+    from hkv_jax.models import layers
+    from hkv_jax.models.gemma3 import Gemma3Config, Gemma3LM
+    from hkv_jax.models.presets import resolve_model
+    from hkv_jax.models.tiny import TinyConfig, TinyLM
+    from hkv_jax.planner import plan
+
+    model = (Gemma3LM(Gemma3Config.from_hf(SMALL), nnx.Rngs(0)) if name == "gemma3"
+             else TinyLM(TinyConfig.from_hf(resolve_model(name)[1]), nnx.Rngs(0)))
+    config = plan(model.cfg.layers, block_size=8, policy="vllm", num_blocks=8)
+    tables = [jnp.array([[1 + 2 * g, 2 + 2 * g]]) for g in range(len(config.groups))]
+    tokens = jnp.array([3, 1, 4, 1, 5, 9])
+
+    def forward(cache, n, last):  # tokens [n - last, n) of the one sequence
+        meta = make_metadata(cache, tables, jnp.array([0, last]), jnp.array([n]), num_tokens=last)
+        run = jax.jit(lambda t, p, c, m: model.paged(t, p, c, m))
+        return run(tokens[n - last:n], jnp.arange(n - last, n), cache, meta)
+
+    _, prefilled = forward(init_cache(config), 5, 5)
+    want, want_cache = forward(prefilled, 6, 1)
+    padded = []
+    monkeypatch.setattr(layers, "target_device", lambda: ("gpu", False))
+    monkeypatch.setattr(layers, "two_rows_at_least", lambda product, x: padded.append(x.shape) or product(x))
+    got, got_cache = forward(prefilled, 6, 1)
+    assert not padded, "a Linear padded its own input: the model did not run its token as two rows"
+    assert got.shape == want.shape == (1, model.cfg.vocab_size)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_cache.buffers, want_cache.buffers):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)

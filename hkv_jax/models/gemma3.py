@@ -27,7 +27,16 @@ from hkv_jax.attention import AttentionMetadata, attention
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
 from hkv_jax.models.key_centre import KeyCentre, centred, shift_invariant
-from hkv_jax.models.layers import Linear, RMSNorm, capped, dense_attention, rope, two_rows_at_least
+from hkv_jax.models.layers import (
+    Linear,
+    RMSNorm,
+    capped,
+    dense_attention,
+    gemm_rows,
+    pad_rows,
+    rope,
+    two_rows_at_least,
+)
 from hkv_jax.spec import LayerSpec
 from kernels_pallas.reference import is_fp8
 
@@ -220,7 +229,8 @@ class Gemma3LM(nnx.Module):
               impl: str = "auto", sample_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """A ragged batch of new tokens through the paged cache: logits ``f32[S, vocab]`` at the token
         indices ``sample_at`` (default: every token), and the cache (``hkv_jax.models.PagedModel``)."""
-        x = self._embed(tokens)
+        t, rows = tokens.shape[0], gemm_rows(tokens.shape[0])  # a single token runs as two rows on a GPU
+        x, positions = self._embed(pad_rows(tokens, rows)), pad_rows(positions, rows)
         for layer in self.layers:
             x, cache = layer.paged(x, positions, cache, metadata, impl)
-        return self.logits(x if sample_at is None else x[sample_at]), cache
+        return self.logits(x[:t] if sample_at is None else x[sample_at]), cache

@@ -21,14 +21,26 @@ def two_rows_at_least(product, x: jax.Array) -> jax.Array:
     return product(jnp.pad(x, ((0, 1), (0, 0))))[:1]
 
 
+def gemm_rows(rows: int) -> int:
+    """The rows a product over ``rows`` rows runs on: a single row runs as two on a GPU
+    (``two_rows_at_least`` says why); elsewhere one row is as fast as two and needs no pad."""
+    return 2 if rows == 1 and target_device()[0] == "gpu" else rows
+
+
+def pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    """``x`` with zero rows appended along its first axis up to ``rows``."""
+    return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+
 class Linear(nnx.Linear):
-    """``nnx.Linear`` whose one-row products (a batch-1 decode step) run as two on a GPU
-    (``two_rows_at_least``); elsewhere one row is as fast as two and needs no pad."""
+    """``nnx.Linear`` whose one-row products (a batch-1 decode step) run as two where ``gemm_rows`` says so.
+    A paged forward pass pads its single token once instead (the models' ``paged``), so that no layer pads
+    its own input: on a GPU each pad is a kernel of its own that the GEMM could have fused."""
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
-        if target_device()[0] != "gpu":
-            return super().__call__(inputs)
         rows = inputs.reshape(-1, inputs.shape[-1])
+        if gemm_rows(rows.shape[0]) == rows.shape[0]:
+            return super().__call__(inputs)
         return two_rows_at_least(super().__call__, rows).reshape(*inputs.shape[:-1], -1)
 
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hkv_jax.attention import AttentionMetadata
+from hkv_jax.attention import AttentionMetadata, real_tokens
 from hkv_jax.cache import KVCache
 from hkv_jax.models.layers import Linear
 from hkv_jax.recurrent import load_states, ragged_scan, record, store_states
@@ -143,9 +143,14 @@ class Mamba2(nnx.Module):
         return (window[1:], ssm), y
 
     def paged(self, x: jax.Array, cache: KVCache, metadata: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-        """``x: [T, hidden]`` of a ragged batch -> ``([T, hidden], cache)`` with every state advanced."""
+        """``x: [T, hidden]`` of a ragged batch -> ``([T, hidden], cache)`` with every state advanced (rows past
+        ``metadata.num_tokens`` are padding: ``real_tokens``)."""
         z, xbc, dt_raw = self._split_in(x)
         states = load_states(self.name, cache, metadata)
-        states, y, recorded = ragged_scan(self._cell, states, (xbc, dt_raw), metadata)
+
+        def scan(xbc, dt_raw):  # over the real tokens (``real_tokens``), its output first
+            states_, y, recorded = ragged_scan(self._cell, states, (xbc, dt_raw), metadata)
+            return y, states_, recorded
+        y, states, recorded = real_tokens(scan, metadata, xbc, dt_raw)
         record(self, self.name, recorded)
         return self._out(y, z), store_states(self.name, states, cache, metadata)

@@ -32,7 +32,7 @@ from hkv_jax.attention import AttentionMetadata, attention
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
 from hkv_jax.models.key_centre import KeyCentre, centred, shift_invariant
-from hkv_jax.models.layers import Linear, capped, dense_attention, rope
+from hkv_jax.models.layers import Linear, capped, dense_attention, gemm_rows, pad_rows, rope
 from hkv_jax.models.mamba2 import Mamba2, Mamba2Config
 from hkv_jax.spec import LayerSpec
 from kernels_pallas.reference import to_page_dtype
@@ -264,7 +264,8 @@ class TinyLM(nnx.Module):
         This is the protocol ``hkv_jax.engine`` serves (``hkv_jax.models.PagedModel``). Logits only where a
         token is sampled: the vocabulary projection of every prefill token would cost ``T x vocab``.
         """
-        x = self._embed(tokens)
+        t, rows = tokens.shape[0], gemm_rows(tokens.shape[0])  # a single token runs as two rows on a GPU
+        x, positions = self._embed(pad_rows(tokens, rows)), pad_rows(positions, rows)
         for b in self.blocks:
             x, cache = b.paged(x, positions, cache, metadata, impl)
-        return self.logits(x if sample_at is None else x[sample_at]), cache
+        return self.logits(x[:t] if sample_at is None else x[sample_at]), cache
