@@ -13,9 +13,11 @@ steps each (the median per step after two warm calls), then records a profiler t
   device then sits idle;
 - ``top``: the kernels with the most device time (name, calls per step, microseconds per step).
 
-On a CPU the trace has no device process: the device fields are ``None`` and only the wall time is
-measured (``--smoke`` runs that way, so that CI keeps the script working). ``--trace FILE`` summarises a
-trace written before instead (``*.trace.json.gz``). Run: ``python benchmarks/decode_profile.py
+``--traced-calls 0`` records no trace: the wall time alone (kernels that run inside XLA's CUDA graphs lose
+their names in a trace); ``xla_flags`` keeps the ``XLA_FLAGS`` the run had. On
+a CPU the trace has no device process: the device fields are ``None`` and only the wall time is measured
+(``--smoke`` runs that way, so that CI keeps the script working). ``--trace FILE`` summarises a trace
+written before instead (``*.trace.json.gz``). Run: ``python benchmarks/decode_profile.py
 --config gemma-3-270m --batch 1 --context 1024 [--json]``.
 """
 
@@ -26,6 +28,7 @@ import collections
 import glob
 import gzip
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -89,8 +92,11 @@ def profile(config: str, batch: int, context: int, decode_steps: int, calls: int
     times = timed_decode_calls(eng, calls, decode_steps)
     row = {"bench": "decode_profile", "config": config, "batch": batch, "context": context,
            "decode_steps": decode_steps, "device": jax.devices()[0].device_kind, "setup_s": round(setup, 1),
+           "xla_flags": os.environ.get("XLA_FLAGS") or None,
            "step_ms": round(statistics.median(times[2:] or times) * 1e3, 3), "gpu_busy_ms": None,
            "kernels_per_step": None, "d2h_per_step": None, "d2h_wait_us_median": None, "top": []}
+    if not traced_calls:
+        return row
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             for _ in range(traced_calls):
@@ -124,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if a.smoke:
             a.config, a.batch, a.context, a.decode_steps, a.calls, a.traced_calls = "tiny-gptoss", 1, 40, 2, 3, 1
-        if min(a.batch, a.context, a.decode_steps, a.calls, a.traced_calls) < 1:
-            p.error("--batch, --context, --decode-steps, --calls and --traced-calls must be positive")
+        if min(a.batch, a.context, a.decode_steps, a.calls) < 1 or a.traced_calls < 0:
+            p.error("--batch, --context, --decode-steps and --calls must be positive, --traced-calls not negative")
         row = profile(a.config, a.batch, a.context, a.decode_steps, a.calls, a.traced_calls, a.top)
         print(f"{a.config} B={a.batch} ctx={a.context}: {row['step_ms']:.3f} ms a step on {row['device']}",
               file=sys.stderr)
@@ -136,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         for k in row["top"]:
             print(f"  {k['us_per_step']:9.2f} us {k['calls_per_step']:6.2f}x  {k['kernel'][:100]}", file=sys.stderr)
     else:
-        print("no device events in the trace (a CPU): device busy time and kernels not measured", file=sys.stderr)
+        print("no device events traced (a CPU, or --traced-calls 0): device busy time and kernels not measured",
+              file=sys.stderr)
     if a.json:
         print(json.dumps(row))
     return 0

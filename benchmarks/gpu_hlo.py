@@ -19,6 +19,9 @@ step``: ``runner.STEP``, the whole program).
   loop counted once). Unless XLA runs them inside a CUDA graph, each reads its predicate back to the host
   and waits for it before it launches the next kernel.
 - ``top``: the kernels by fusion kind and the JAX operation they come from.
+- ``command_buffers`` and ``control_outside_graphs`` (the whole program, from XLA's thunk sequence): the
+  CUDA graphs XLA records, and the loops and conditionals left outside them, which read their predicates
+  back to the host (``XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`` puts them inside).
 
 ``--module PATH`` counts a module dumped before (``XLA_FLAGS=--xla_dump_to=PATH``): ``gpu_session.sh`` dumps its
 decode profile's on the GPU, to set this count against the trace's.
@@ -186,6 +189,28 @@ def summary(usual: collections.Counter, most: collections.Counter, top: int) -> 
             "top": [{"kernel": k, "per_step": n} for k, n in kernels[:top]]}
 
 
+_THUNK = re.compile(r"^( *)\d+: (k\w+)")
+
+
+def graph_counts(thunks: str) -> dict:
+    """From XLA's thunk sequence (``*thunk_sequence_after_thunk_passes.txt``, nested by indentation): the
+    command buffers (CUDA graphs: their kernels launch as one), and the loops and conditionals in none of
+    them. Each of those reads its predicate back to the host whenever it runs; inside a command buffer the
+    device decides (``--xla_gpu_enable_command_buffer`` with ``WHILE`` and ``CONDITIONAL``)."""
+    stack, graphs, outside = [], 0, 0  # stack: (indent, kind) of the enclosing thunks
+    for line in thunks.splitlines():
+        m = _THUNK.match(line)
+        if not m:
+            continue
+        indent, kind = len(m.group(1)), m.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        graphs += kind == "kCommandBuffer"
+        outside += kind in ("kWhile", "kConditional") and all(k != "kCommandBuffer" for _, k in stack)
+        stack.append((indent, kind))
+    return {"command_buffers": graphs, "control_outside_graphs": outside}
+
+
 # --- compiling for the target ----------------------------------------------------------------------------
 
 def dumped_module(path: str, program: str) -> str:
@@ -197,6 +222,12 @@ def dumped_module(path: str, program: str) -> str:
     if not found:
         raise SystemExit(f"no optimised module of jit_{program} in {path}")
     return Path(max(found, key=lambda f: Path(f).stat().st_size)).read_text()
+
+
+def dumped_thunks(path: str, program: str) -> str | None:
+    """XLA's thunk sequence of ``program`` in the dump folder ``path`` (the largest), if it wrote one."""
+    found = glob.glob(f"{path}/*jit_{program}.*thunk_sequence_after_thunk_passes.txt")
+    return Path(max(found, key=lambda f: Path(f).stat().st_size)).read_text() if found else None
 
 
 def optimised_module(config: str, batch: int, context: int, program: str, target: str,
@@ -261,20 +292,25 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--batch and --context must be positive")
     if a.module:
         hlo, compiled_for = dumped_module(a.module, a.program), f"module {a.module}"
+        thunks = dumped_thunks(a.module, a.program) if Path(a.module).is_dir() else None
     else:
         with tempfile.TemporaryDirectory() as tmp:
             dump = a.keep or tmp
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
             hlo, compiled_for = optimised_module(a.config, a.batch, a.context, a.program, a.target, dump)
+            thunks = dumped_thunks(dump, a.program)
     import jax
 
+    graphs = graph_counts(thunks) if thunks else {"command_buffers": None, "control_outside_graphs": None}
     row = {"bench": "hlo_kernels", "config": a.config, "batch": a.batch, "context": a.context,
            "program": a.program, "compiled_for": compiled_for, "jax": jax.__version__,
-           **summary(*decode_step_counts(hlo, a.program), a.top)}
+           **summary(*decode_step_counts(hlo, a.program), a.top), **graphs}
     print(f"{a.config} B={a.batch} ctx={a.context} ({a.program}, {compiled_for}, jax {jax.__version__}): "
           f"{row['kernels_per_step']} kernels, {row['copies_per_step']} copies, {row['conditionals_per_step']} "
           f"conditionals, {row['loops_per_step']} loops a step where no block moves; at most "
-          f"{row['kernels_most']} kernels and {row['conditionals_most']} conditionals", file=sys.stderr)
+          f"{row['kernels_most']} kernels and {row['conditionals_most']} conditionals; "
+          f"{row['command_buffers']} command buffers, {row['control_outside_graphs']} loops and conditionals "
+          "outside them", file=sys.stderr)
     for k in row["top"]:
         print(f"  {k['per_step']:5d}  {k['kernel']}", file=sys.stderr)
     if a.json:

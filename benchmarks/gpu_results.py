@@ -9,8 +9,9 @@ field:
 - ``attention_prefill``: ``impl``, ``batch``, ``context``, ``time_us``, ``tflops``, from
   ``attention_prefill.jsonl``;
 - ``decode_profile``: ``config``, ``batch``, ``context``, ``step_ms``, ``gpu_busy_ms``, ``kernels_per_step``,
-  ``d2h_per_step``, ``d2h_wait_us_median``,
-  from ``decode_profile_cold.json``;
+  ``d2h_per_step``, ``d2h_wait_us_median``, ``xla_flags``,
+  from ``decode_profile_cold.json``, and the step in XLA's CUDA graphs (wall time) from
+  ``decode_profile_graphs.json``;
 - ``startup``: ``config``, ``cold_s``, ``warm_s``: the decode profile's setup (model, engine, compiles and the
   prefill) in a fresh process with an empty compilation cache, and again with that cache filled
   (``decode_profile_warm.json``);
@@ -18,8 +19,9 @@ field:
   ``projection.json``;
 - ``parity``: ``model``, ``policy``, ``requests``, ``tokens_equal``, ``max_logit_err``, from ``parity.jsonl``;
 - ``hlo_kernels``: ``config``, ``batch``, ``context``, ``kernels_per_step``, ``copies_per_step``,
-  ``conditionals_per_step``, ``kernels_most``: ``gpu_hlo.py``'s count of the decode profile's optimised module
-  (dumped by that run), from ``hlo_kernels.json``, to set against the trace's count;
+  ``conditionals_per_step``, ``kernels_most``, ``command_buffers``, ``control_outside_graphs``: ``gpu_hlo.py``'s
+  count of the decode profile's optimised module (dumped by that run), from ``hlo_kernels.json``, to set
+  against the trace's count;
 - ``host_copy``: ``model``, ``memory_kind``, ``blocks``, ``page_bytes``, ``down_us``, ``down_gb_per_s``,
   ``up_us``, ``up_gb_per_s``: the host tier's in-step page copies, from ``host_copy.jsonl``.
 
@@ -38,11 +40,11 @@ FIELDS = {
     "attention_decode": ("impl", "batch", "context", "page", "time_us", "peak_fraction", "splits", "kv_dtype"),
     "attention_prefill": ("impl", "batch", "context", "page", "time_us", "tflops", "splits"),
     "decode_profile": ("config", "batch", "context", "decode_steps", "step_ms", "gpu_busy_ms", "kernels_per_step",
-                       "d2h_per_step", "d2h_wait_us_median", "top"),
+                       "d2h_per_step", "d2h_wait_us_median", "xla_flags", "top"),
     "projection": ("config", "program", "batch", "context", "measured_ms", "projected_ms", "measured_gb_per_s"),
     "parity": ("model", "policy", "impl", "requests", "tokens_equal", "max_logit_err", "all_freed", "error"),
     "hlo_kernels": ("config", "batch", "context", "compiled_for", "kernels_per_step", "copies_per_step",
-                    "conditionals_per_step", "kernels_most"),
+                    "conditionals_per_step", "kernels_most", "command_buffers", "control_outside_graphs"),
     "host_copy": ("model", "memory_kind", "blocks", "page_bytes", "down_us", "down_gb_per_s", "up_us",
                   "up_gb_per_s"),
 }
@@ -74,6 +76,7 @@ def collect(out: Path) -> tuple[list[dict], str | None]:
     for r in cold:
         rows.append(_pick("decode_profile", r))
         device = device or r.get("device")
+    rows.extend(_pick("decode_profile", r) for r in _json_lines(out / "decode_profile_graphs.json"))
     if cold:
         rows.append({"bench": "startup", "config": cold[0]["config"], "cold_s": cold[0]["setup_s"],
                      "warm_s": warm[0]["setup_s"] if warm else None})

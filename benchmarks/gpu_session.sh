@@ -9,6 +9,7 @@
 #   3. decode_profile: a Gemma 3 270M decode step (B=1, 1k): wall, GPU busy time, kernels a step, top kernels;
 #      run twice, the second with the first's compilation cache: the start, cold and warm; the first dumps
 #      its optimised decode program, and gpu_hlo.py counts its kernels a step (to set against the trace);
+#      a third run puts the step's loops and conditionals into XLA's CUDA graphs (wall time only);
 #   4. gpu_projection --measure: decode programs served and timed against their projected time;
 #   5. host_copy: the host tier's in-step page copies down and up, GB/s.
 # Then gpu_results.py writes benchmarks/results/<device>-<date>.json from what the steps wrote.
@@ -21,6 +22,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export JAX_COMPILATION_CACHE_DIR="$out/jax_cache"
 smoke=${SMOKE:-}
 dump="--xla_dump_to=$out/hlo --xla_dump_hlo_module_re=decode_steps"  # the decode program's modules only
+graphs="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"  # no predicate read by the host (gpu_hlo.py)
 step() {  # step NAME SECONDS COMMAND...: stdout to $out/NAME, stderr to $out/NAME.log and the terminal
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -37,6 +39,8 @@ if [ -n "$smoke" ]; then
     --smoke --json
   step decode_profile_warm.json 120 python benchmarks/decode_profile.py --smoke --json
   step hlo_kernels.json 30 python benchmarks/gpu_hlo.py --module "$out/hlo" --config tiny-gptoss --json
+  step decode_profile_graphs.json 120 env XLA_FLAGS="${XLA_FLAGS:-} $graphs" python benchmarks/decode_profile.py \
+    --smoke --traced-calls 0 --json
   step host_copy.jsonl 60 python benchmarks/host_copy.py --model tiny-gemma3 --blocks 2 --pool-blocks 8 \
     --host-blocks 8 --repeats 1 --json
 else
@@ -53,6 +57,8 @@ else
     --context 1024 --calls 4 --json
   step hlo_kernels.json 30 python benchmarks/gpu_hlo.py --module "$out/hlo" --config gemma-3-270m --batch 1 \
     --context 1024 --json
+  step decode_profile_graphs.json 80 env XLA_FLAGS="${XLA_FLAGS:-} $graphs" python benchmarks/decode_profile.py \
+    --config gemma-3-270m --batch 1 --context 1024 --calls 8 --traced-calls 0 --json
   step projection.json 80 python benchmarks/gpu_projection.py --configs gemma-3-270m,llama-3.1-8b-like \
     --devices h200 --batches 1 --contexts 4096 --programs decode_steps --measure --json
   step host_copy.jsonl 40 python benchmarks/host_copy.py --blocks 8,64,512 --repeats 10 --json

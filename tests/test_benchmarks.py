@@ -19,7 +19,7 @@ def test_gpu_session_smoke_runs_every_step_and_writes_the_results_file(tmp_path)
                           text=True, timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = (tmp_path / "steps.txt").read_text().splitlines()
-    assert len(steps) == 6 and all(": exit 0 after" in line for line in steps), steps
+    assert len(steps) == 7 and all(": exit 0 after" in line for line in steps), steps
     # attention_gpu.py checked and timed every implementation; the split kernel says into how many runs.
     log = (tmp_path / "attention_decode.jsonl.log").read_text()
     assert "WRONG" not in log and "cannot run" not in log, log[-2000:]
@@ -37,13 +37,15 @@ def test_gpu_session_smoke_runs_every_step_and_writes_the_results_file(tmp_path)
     assert len(by["attention_decode"]) == len(rows)
     [parity] = by["parity"]
     assert parity["tokens_equal"] == parity["requests"] == 2 and parity["all_freed"]
-    [profile] = by["decode_profile"]
+    profile, graphs = by["decode_profile"]  # the second with the loops and conditionals in CUDA graphs
     assert profile["config"] == "tiny-gptoss" and profile["step_ms"] > 0 and profile["gpu_busy_ms"] is None
+    assert graphs["step_ms"] > 0 and "+WHILE,+CONDITIONAL" in graphs["xla_flags"]
     [start] = by["startup"]
     assert 0 < start["warm_s"] and 0 < start["cold_s"]
     # gpu_hlo.py counted the decode program the cold profile dumped (XLA:CPU's here): a while loop's step.
     [hlo] = by["hlo_kernels"]
     assert hlo["config"] == "tiny-gptoss" and hlo["kernels_per_step"] > 0 and hlo["compiled_for"].startswith("module")
+    assert hlo["command_buffers"] is None  # XLA:CPU writes no thunk sequence
     # host_copy.py moved pages both ways (it checks a moved page) and timed them.
     [copy] = by["host_copy"]
     assert copy["blocks"] == 2 and copy["down_gb_per_s"] > 0 and copy["up_gb_per_s"] > 0
@@ -288,6 +290,37 @@ def test_gpu_hlo_counts_a_decode_step_through_its_usual_and_its_largest_branches
     whole, whole_most = decode_step_counts(SYNTHETIC_DECODE_MODULE, "step")  # the entry: init, the loop once
     assert (whole["#kernels"], whole_most["#kernels"], whole["#loops"]) == (11, 13, 1)
     assert "core_count: 132" in target_config("h200") and "major: 9" in target_config("h200")
+
+
+# XLA's thunk sequence, as it dumps it: a command buffer, then a loop whose body holds a conditional in a
+# command buffer and a conditional outside any (whose branch holds a loop).
+SYNTHETIC_THUNKS = """\
+000: kCommandBuffer [source       | next=015 (1)]
+    001: kCopy         [source       | sink        ] kCopy
+    013: kConditional  [prev=004 (3) | next=014 (1)]
+      true_branch:
+        No thunks.
+015: kWhile         [prev=000 (1) | sink        ]
+condition:
+    No thunks.  body:
+    000: kCommandBuffer [source       | next=273 (1)]
+        016: kCustomKernel [source       | sink        ] loop_select_fusion grid: [1, 1, 1]
+    273: kConditional   [prev=000 (1) | sink        ]
+      branch_0:
+        106: kWhile         [source       | sink        ]
+"""
+
+
+def test_gpu_hlo_counts_the_loops_and_conditionals_outside_xlas_command_buffers():
+    """A loop or conditional counts as outside unless a command buffer encloses it (by indentation): the
+    top loop, the conditional in its body and the loop in that conditional's branch; none once one command
+    buffer holds the whole sequence."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_hlo import graph_counts
+
+    assert graph_counts(SYNTHETIC_THUNKS) == {"command_buffers": 2, "control_outside_graphs": 3}
+    inside = "000: kCommandBuffer [source | sink]\n" + "".join(f"    {line}\n" for line in SYNTHETIC_THUNKS.split("\n"))
+    assert graph_counts(inside) == {"command_buffers": 3, "control_outside_graphs": 0}
 
 
 def test_fp8_quality_benchmark_reads_one_text_through_fp8_and_reference_pages(tmp_path, capsys):
