@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One prepared GPU run (the `device` tool's machine: jax + CUDA plugin installed, no internet), at most about
-# 8 minutes on an H200 with the compiles. Each step runs under its own `timeout` and writes its rows as it goes,
-# so a step cut short keeps what it measured and the next one runs:
+# One prepared GPU run (the `device` tool's machine: jax + CUDA plugin installed, no internet), about 8 minutes
+# on an H200 with the compiles (the steps' limits add up to 11). Each step runs under its own `timeout` and
+# writes its rows as it goes, so a step cut short keeps what it measured and the next one runs; the results
+# file can be written from the folder afterwards (gpu_results.py) if the run itself is cut short:
 #   1. attention, decode (bf16, then fp8 pages at 32k) then prefill: every kernel checked against the reference
 #      on this GPU, then timed (ours, the Mosaic GPU kernel with and without its context split, the portable one,
 #      XLA, JAX's own);
@@ -57,9 +58,9 @@ else
     --context 1024 --calls 4 --json
   step hlo_kernels.json 30 python benchmarks/gpu_hlo.py --module "$out/hlo" --config gemma-3-270m --batch 1 \
     --context 1024 --json
-  step decode_profile_graphs.json 80 env XLA_FLAGS="${XLA_FLAGS:-} $graphs" python benchmarks/decode_profile.py \
-    --config gemma-3-270m --batch 1 --context 1024 --calls 8 --traced-calls 0 --json
-  step projection.json 80 python benchmarks/gpu_projection.py --configs gemma-3-270m,llama-3.1-8b-like \
+  step decode_profile_graphs.json 70 env XLA_FLAGS="${XLA_FLAGS:-} $graphs" python benchmarks/decode_profile.py \
+    --config gemma-3-270m --batch 1 --context 1024 --calls 6 --traced-calls 0 --json
+  step projection.json 70 python benchmarks/gpu_projection.py --configs gemma-3-270m,llama-3.1-8b-like \
     --devices h200 --batches 1 --contexts 4096 --programs decode_steps --measure --json
   step host_copy.jsonl 40 python benchmarks/host_copy.py --blocks 8,64,512 --repeats 10 --json
 fi
