@@ -18,7 +18,8 @@ step``: ``runner.STEP``, the whole program).
 - ``conditionals_per_step`` and ``loops_per_step``: the ``conditional`` and ``while`` ops on that path (each
   loop counted once). Unless XLA runs them inside a CUDA graph, each reads its predicate back to the host
   and waits for it before it launches the next kernel.
-- ``top``: the kernels by fusion kind and the JAX operation they come from.
+- ``top``: the kernels by fusion kind and the JAX operation they come from; ``--layer``: one layer's
+  kernels in order (``layer``), from one attention call to the next.
 - ``command_buffers`` and ``control_outside_graphs`` (the whole program, from XLA's thunk sequence): the
   CUDA graphs XLA records, and the loops and conditionals left outside them, which read their predicates
   back to the host (``XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL`` puts them inside).
@@ -189,6 +190,27 @@ def summary(usual: collections.Counter, most: collections.Counter, top: int) -> 
             "top": [{"kernel": k, "per_step": n} for k, n in kernels[:top]]}
 
 
+def layer_kernels(hlo: str, marker: str = "mosaic_gpu") -> list[str]:
+    """One layer's kernels (labels, copies as ``copy``) in program order: in the computation that calls
+    the attention kernel most often (a custom call whose target holds ``marker``), from its first call to
+    the next (or to the end)."""
+    comps, _ = computations(hlo)
+
+    def calls(line):
+        return opcode(line) == "custom-call" and marker in _label(line, "custom-call")
+    name = max(comps, key=lambda c: sum(map(calls, comps[c])))
+    lines = comps[name]
+    at = [i for i, line in enumerate(lines) if calls(line)]
+    if not at:
+        raise ValueError(f"no custom call to {marker!r} in the module")
+    layer = []
+    for line in lines[at[0]:at[1] if len(at) > 1 else len(lines)]:
+        op = opcode(line)
+        if op is not None and op not in NOT_KERNELS and op not in CONTROL:
+            layer.append(_label(line, op) if op != "copy" else "copy")
+    return layer
+
+
 _THUNK = re.compile(r"^( *)\d+: (k\w+)")
 
 
@@ -286,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", help="dump XLA's modules into this folder and keep them")
     p.add_argument("--module", help="count this optimised module (a file, or XLA's dump folder of a run "
                    "made with XLA_FLAGS=--xla_dump_to=...) instead of compiling")
+    p.add_argument("--layer", action="store_true", help="also list one layer's kernels in order (``layer``)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if min(a.batch, a.context) < 1:
@@ -313,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
           "outside them", file=sys.stderr)
     for k in row["top"]:
         print(f"  {k['per_step']:5d}  {k['kernel']}", file=sys.stderr)
+    if a.layer:
+        row["layer"] = layer_kernels(hlo)
+        print(f"one layer, {len(row['layer'])} kernels: " + ", ".join(row["layer"]), file=sys.stderr)
     if a.json:
         print(json.dumps(row))
     return 0

@@ -274,7 +274,7 @@ def test_gpu_hlo_counts_a_decode_step_through_its_usual_and_its_largest_branches
     entry's kernels); a step where no block moves takes the allocator's smallest branch and the forward
     pass (the branch of at least half the most kernels); the largest path takes every largest branch."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_hlo import decode_step_counts, opcode, summary, target_config
+    from gpu_hlo import decode_step_counts, layer_kernels, opcode, summary, target_config
 
     assert opcode("%w = (s32[], /*index=1*/f32[2]{0}) while(%init), condition=%c, body=%b") == "while"
     assert opcode("ROOT %y = f32[2]{0} get-tuple-element(%w), index=1") == "get-tuple-element"
@@ -287,6 +287,8 @@ def test_gpu_hlo_counts_a_decode_step_through_its_usual_and_its_largest_branches
     labels = {k["kernel"]: k["per_step"] for k in summary(usual, most, top=20)["top"]}
     assert labels["kInput reduce_sum"] == 2 and labels["custom-call mosaic_gpu_v2"] == 1
     assert labels["kCustom __triton"] == 2 and "custom-call xla.gpu.ext.cub_sort_pairs" not in labels
+    assert layer_kernels(SYNTHETIC_DECODE_MODULE) == ["custom-call mosaic_gpu_v2", "kCustom __triton", "kLoop mul",
+                                                      "kCustom __triton", "kInput reduce_sum"]
     whole, whole_most = decode_step_counts(SYNTHETIC_DECODE_MODULE, "step")  # the entry: init, the loop once
     assert (whole["#kernels"], whole_most["#kernels"], whole["#loops"]) == (11, 13, 1)
     assert "core_count: 132" in target_config("h200") and "major: 9" in target_config("h200")
