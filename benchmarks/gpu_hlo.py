@@ -235,21 +235,27 @@ def graph_counts(thunks: str) -> dict:
 
 # --- compiling for the target ----------------------------------------------------------------------------
 
+def _largest_dump(path: str, program: str, suffix: str) -> str | None:
+    """The largest file of ``program`` in XLA's dump folder ``path`` that ends with ``suffix`` (several where
+    several were compiled), read; None when there is none."""
+    found = glob.glob(f"{path}/*jit_{program}.*{suffix}")
+    return Path(max(found, key=lambda f: Path(f).stat().st_size)).read_text() if found else None
+
+
 def dumped_module(path: str, program: str) -> str:
     """The optimised module of ``program`` (``decode_steps`` or ``step``) in XLA's dump folder ``path`` (the
     largest, where several were compiled), or the file ``path`` itself."""
     if Path(path).is_file():
         return Path(path).read_text()
-    found = glob.glob(f"{path}/*jit_{program}.*after_optimizations.txt")
-    if not found:
+    hlo = _largest_dump(path, program, "after_optimizations.txt")
+    if hlo is None:
         raise SystemExit(f"no optimised module of jit_{program} in {path}")
-    return Path(max(found, key=lambda f: Path(f).stat().st_size)).read_text()
+    return hlo
 
 
 def dumped_thunks(path: str, program: str) -> str | None:
     """XLA's thunk sequence of ``program`` in the dump folder ``path`` (the largest), if it wrote one."""
-    found = glob.glob(f"{path}/*jit_{program}.*thunk_sequence_after_thunk_passes.txt")
-    return Path(max(found, key=lambda f: Path(f).stat().st_size)).read_text() if found else None
+    return _largest_dump(path, program, "thunk_sequence_after_thunk_passes.txt")
 
 
 def optimised_module(config: str, batch: int, context: int, program: str, target: str,

@@ -83,18 +83,21 @@ def make_metadata(cache: KVCache, block_tables: Sequence[jax.Array], query_start
                              tuple(jnp.asarray(bt, jnp.int32) for bt in block_tables), slots, record_positions)
 
 
-def real_tokens(f, metadata: AttentionMetadata, *rows: jax.Array | None):
-    """``f(*rows)`` over the batch's ``metadata.num_tokens`` tokens. A model may give its layers more rows
-    than that (it pads a single token to two on a GPU: ``models.layers.gemm_rows``): those are cut off
-    before ``f`` (``attention``, a recurrent layer's scan), and ``f``'s result (the first of a tuple) gets zero
-    rows in their place after."""
+def pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    """``x`` with zero rows appended along its first axis up to ``rows``."""
+    return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+
+def real_tokens(f, metadata: AttentionMetadata, *rows: jax.Array | None) -> tuple:
+    """``f(*rows)`` (a tuple) over the batch's ``metadata.num_tokens`` tokens. A model may give its layers
+    more rows than that (it pads a single token to two on a GPU: ``models.layers.gemm_rows``): those are
+    cut off before ``f`` (``attention``, a recurrent layer's scan), and the first of ``f``'s results gets
+    zero rows in their place after."""
     n, t = rows[0].shape[0], metadata.num_tokens
     if n == t:
         return f(*rows)
-    out = f(*(None if r is None else r[:t] for r in rows))
-    first = out[0] if isinstance(out, tuple) else out
-    first = jnp.pad(first, [(0, n - t)] + [(0, 0)] * (first.ndim - 1))
-    return (first, *out[1:]) if isinstance(out, tuple) else first
+    first, *rest = f(*(None if r is None else r[:t] for r in rows))
+    return (pad_rows(first, n), *rest)
 
 
 def check_kernel(config: KVCacheConfig, impl: str, max_blocks: int) -> None:

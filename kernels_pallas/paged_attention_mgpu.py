@@ -327,8 +327,10 @@ def _combine(o: jax.Array, lse: jax.Array, sinks: jax.Array | None, items: ragge
     merges and the cast into one kernel for a few runs and two for many (``benchmarks/gpu_hlo.py``); a max,
     a weighted sum and a scatter to the tokens took up to three more."""
     n, hkv, splits, rows, d = o.shape
-    per_token = lambda x: x.reshape(n, hkv, splits, rows // group, group, *x.shape[4:]).at[  # noqa: E731
-        items.token_item, :, :, items.token_row].get(mode="fill", fill_value=0)   # [T, Hkv, splits, G, ...]
+
+    def per_token(x):  # [I, Hkv, splits, ROWS, ...] -> [T, Hkv, splits, G, ...]
+        x = x.reshape(n, hkv, splits, rows // group, group, *x.shape[4:])
+        return x.at[items.token_item, :, :, items.token_row].get(mode="fill", fill_value=0)
     o_t, lse_t = per_token(o).astype(jnp.float32), per_token(lse)
     if sinks is not None:
         sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, 1, group), (*lse_t.shape[:2], 1, group))

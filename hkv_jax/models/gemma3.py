@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hkv_jax.attention import AttentionMetadata, attention
+from hkv_jax.attention import AttentionMetadata, attention, pad_rows
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
 from hkv_jax.models.key_centre import KeyCentre, centred, shift_invariant
@@ -33,7 +33,6 @@ from hkv_jax.models.layers import (
     capped,
     dense_attention,
     gemm_rows,
-    pad_rows,
     rope,
     two_rows_at_least,
 )

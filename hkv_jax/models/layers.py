@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hkv_jax.attention import pad_rows
 from kernels_pallas import target_device
 
 
@@ -18,18 +19,13 @@ def two_rows_at_least(product, x: jax.Array) -> jax.Array:
     transposed matrix (the tied output projection)."""
     if x.shape[0] != 1:
         return product(x)
-    return product(jnp.pad(x, ((0, 1), (0, 0))))[:1]
+    return product(pad_rows(x, 2))[:1]
 
 
 def gemm_rows(rows: int) -> int:
     """The rows a product over ``rows`` rows runs on: a single row runs as two on a GPU
     (``two_rows_at_least`` says why); elsewhere one row is as fast as two and needs no pad."""
     return 2 if rows == 1 and target_device()[0] == "gpu" else rows
-
-
-def pad_rows(x: jax.Array, rows: int) -> jax.Array:
-    """``x`` with zero rows appended along its first axis up to ``rows``."""
-    return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
 
 
 class Linear(nnx.Linear):
@@ -39,9 +35,10 @@ class Linear(nnx.Linear):
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         rows = inputs.reshape(-1, inputs.shape[-1])
-        if gemm_rows(rows.shape[0]) == rows.shape[0]:
+        n = rows.shape[0]
+        if gemm_rows(n) == n:
             return super().__call__(inputs)
-        return two_rows_at_least(super().__call__, rows).reshape(*inputs.shape[:-1], -1)
+        return super().__call__(pad_rows(rows, gemm_rows(n)))[:n].reshape(*inputs.shape[:-1], -1)
 
 
 def capped(x: jax.Array, cap: float | None) -> jax.Array:

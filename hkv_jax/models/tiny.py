@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hkv_jax.attention import AttentionMetadata, attention
+from hkv_jax.attention import AttentionMetadata, attention, pad_rows
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
 from hkv_jax.models.key_centre import KeyCentre, centred, shift_invariant
-from hkv_jax.models.layers import Linear, capped, dense_attention, gemm_rows, pad_rows, rope
+from hkv_jax.models.layers import Linear, capped, dense_attention, gemm_rows, rope
 from hkv_jax.models.mamba2 import Mamba2, Mamba2Config
 from hkv_jax.spec import LayerSpec
 from kernels_pallas.reference import to_page_dtype
