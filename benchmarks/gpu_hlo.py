@@ -61,6 +61,9 @@ TARGETS = {
     "h100": {"name": "NVIDIA H100 80GB HBM3", "core_count": 132, "memory_bandwidth": 3_350_000_000_000,
              "device_memory_size": 80 * 10**9},
 }
+# The lent GPU machine's CUDA 13 (toolkit and driver). Unset, XLA reads version 0 and, as for a driver
+# older than 12.3, records no custom call (the attention kernels), loop or conditional in a CUDA graph.
+CUDA_VERSION = (13, 0, 0)
 NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
                "partition-id", "replica-id"}
 CONTROL = {"while", "conditional", "call"}
@@ -69,9 +72,12 @@ CONTROL = {"while", "conditional", "call"}
 def target_config(target: str) -> str:
     """``stream_executor.GpuTargetConfigProto`` in text form for ``target`` (a key of ``TARGETS``)."""
     info = {**SM90, **TARGETS[target]}
+    info["driver_version"] = ".".join(map(str, CUDA_VERSION))
     fields = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in info.items())
+    major, minor, patch = CUDA_VERSION
     return (f"gpu_device_info {{\n{fields}  cuda_compute_capability {{ major: 9 minor: 0 }}\n}}\n"
-            f'platform_name: "CUDA"\ndevice_description_str: {json.dumps(info["name"])}\n')
+            f'platform_name: "CUDA"\nruntime_version {{ major: {major} minor: {minor} patch: {patch} }}\n'
+            f'device_description_str: {json.dumps(info["name"])}\n')
 
 
 # --- reading an optimised module -------------------------------------------------------------------------
