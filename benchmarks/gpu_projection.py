@@ -33,7 +33,8 @@ random weights, ``batch`` requests prefilled to ``context`` tokens, and reports 
 (``measured_gb_per_s``) against the HBM's peak.
 
 Run: ``python benchmarks/gpu_projection.py [--configs gemma-3-270m,...] [--devices h200,tpu-v5p]
-[--batches 1,64,256] [--contexts 1024,4096,32768] [--programs step,decode_steps] [--measure] [--json]``.
+[--batches 1,64,256] [--contexts 1024,4096,32768] [--programs step,decode_steps] [--measure [--repeats N]]
+[--json]``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from hkv_jax.engine.runner import DECODE_STEPS, STEP
 from hkv_jax.engine.step import EngineState, StepStatic
 from hkv_jax.engine.step_messages import SAMPLING, StepPlan
 from hkv_jax.models.gemma3 import Gemma3Config, Gemma3LM
-from hkv_jax.models.presets import resolve_model
+from hkv_jax.models.presets import preset_names, resolve_model
 from hkv_jax.models.tiny import TinyConfig, TinyLM
 from hkv_jax.planner import KVCacheConfig, cdiv, plan
 from hkv_jax.program_audit import audit_pool
@@ -242,11 +243,12 @@ def timed_decode_calls(eng, calls: int, decode_steps: int) -> list[float]:
 
 
 def measure(name: str, batch: int, context: int, decode_steps: int, repeats: int = 16) -> dict:
-    """The median milliseconds of a decode step of ``decode_engine``'s engine, over ``repeats`` calls."""
+    """The median milliseconds of a decode step of ``decode_engine``'s engine, over ``repeats`` calls, and the
+    device that ran it."""
     import statistics
 
     times = timed_decode_calls(decode_engine(name, batch, context, decode_steps, repeats), repeats, decode_steps)
-    return {"measured_ms": round(statistics.median(times) * 1e3, 3)}
+    return {"measured_ms": round(statistics.median(times) * 1e3, 3), "measured_on": jax.devices()[0].device_kind}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,10 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--programs", default="step,decode_steps")
     p.add_argument("--measure", action="store_true",
                    help="also run each row on this machine's device (random weights) and time its decode step")
+    p.add_argument("--repeats", type=int, default=16, help="with --measure: timed calls, the median taken")
     p.add_argument("--json", action="store_true", help="print {\"rows\": [...]} as JSON")
     args = p.parse_args(argv)
     names, devices, programs = args.configs.split(","), args.devices.split(","), args.programs.split(",")
-    for given, known, what in ((names, CONFIGS, "config"), (devices, DEVICES, "device"),
+    tiny = [n for n in preset_names() if n.startswith("tiny-")]  # small enough to try --measure on a CPU
+    for given, known, what in ((names, [*CONFIGS, *tiny], "config"), (devices, DEVICES, "device"),
                                (programs, ("step", "decode_steps"), "program")):
         bad = [x for x in given if x not in known]
         if bad:
@@ -271,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         contexts = [int(x) for x in args.contexts.split(",")]
     except ValueError:
         p.error("--batches and --contexts take comma-separated integers")
+    if args.repeats < 1:
+        p.error("--repeats must be positive")
     rows = []
     for name in names:
         for device in devices:
@@ -280,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                         t = time.perf_counter()
                         row = project(name, device, batch, context, program)
                         if args.measure:
-                            row.update(measure(name, batch, context, 1 if program == "step" else DECODE_CALL_STEPS))
+                            row.update(measure(name, batch, context, 1 if program == "step" else DECODE_CALL_STEPS,
+                                               args.repeats))
                             row["measured_gb_per_s"] = round(row["bytes_per_step"] / row["measured_ms"] / 1e6, 1)
                         rows.append(row)
                         print(f"{name:>18} {device:>7} {program:>12} B={batch:<4} ctx={context:<6} "

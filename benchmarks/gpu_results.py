@@ -1,6 +1,6 @@
 """Collect what ``gpu_session.sh`` wrote into one results file: ``benchmarks/results/<device>-<date>.json``.
 
-Reads the session's output folder (whatever steps finished: a step cut short by its timeout leaves the rows
+Reads the session's output folders (whatever steps finished: a step cut short by its timeout leaves the rows
 it printed) and writes ``{"device", "commit", "date", "jax", "rows": [...]}``. Each row has a ``bench``
 field:
 
@@ -15,8 +15,8 @@ field:
 - ``startup``: ``config``, ``cold_s``, ``warm_s``: the decode profile's setup (model, engine, compiles and the
   prefill) in a fresh process with an empty compilation cache, and again with that cache filled
   (``decode_profile_warm.json``);
-- ``projection``: ``config``, ``batch``, ``context``, ``measured_ms``, ``projected_ms``, from
-  ``projection.json``;
+- ``projection``: ``config``, ``batch``, ``context``, ``measured_ms``, ``projected_ms``, ``measured_on`` (the
+  device), from ``projection.json`` (the session's part 2);
 - ``parity``: ``model``, ``policy``, ``requests``, ``tokens_equal``, ``max_logit_err``, from ``parity.jsonl``;
 - ``hlo_kernels``: ``config``, ``batch``, ``context``, ``kernels_per_step``, ``copies_per_step``,
   ``conditionals_per_step``, ``kernels_most``, ``command_buffers``, ``control_outside_graphs``: ``gpu_hlo.py``'s
@@ -25,7 +25,7 @@ field:
 - ``host_copy``: ``model``, ``memory_kind``, ``blocks``, ``page_bytes``, ``down_us``, ``down_gb_per_s``,
   ``up_us``, ``up_gb_per_s``: the host tier's in-step page copies, from ``host_copy.jsonl``.
 
-Run: ``python benchmarks/gpu_results.py OUTDIR [--commit SHA] [--into benchmarks/results]``.
+Run: ``python benchmarks/gpu_results.py OUTDIR [OUTDIR ...] [--commit SHA] [--into benchmarks/results]``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -41,7 +42,8 @@ FIELDS = {
     "attention_prefill": ("impl", "batch", "context", "page", "time_us", "tflops", "splits"),
     "decode_profile": ("config", "batch", "context", "decode_steps", "step_ms", "gpu_busy_ms", "kernels_per_step",
                        "d2h_per_step", "d2h_wait_us_median", "xla_flags", "top"),
-    "projection": ("config", "program", "batch", "context", "measured_ms", "projected_ms", "measured_gb_per_s"),
+    "projection": ("config", "program", "batch", "context", "measured_ms", "projected_ms", "measured_gb_per_s",
+                   "measured_on"),
     "parity": ("model", "policy", "impl", "requests", "tokens_equal", "max_logit_err", "all_freed", "error"),
     "hlo_kernels": ("config", "batch", "context", "compiled_for", "kernels_per_step", "copies_per_step",
                     "conditionals_per_step", "kernels_most", "command_buffers", "control_outside_graphs"),
@@ -81,7 +83,9 @@ def collect(out: Path) -> tuple[list[dict], str | None]:
         rows.append({"bench": "startup", "config": cold[0]["config"], "cold_s": cold[0]["setup_s"],
                      "warm_s": warm[0]["setup_s"] if warm else None})
     for r in _json_lines(out / "projection.json"):
-        rows.extend(_pick("projection", x) for x in r.get("rows", []) if "measured_ms" in x)
+        measured = [x for x in r.get("rows", []) if "measured_ms" in x]
+        rows.extend(_pick("projection", x) for x in measured)
+        device = device or next((x.get("measured_on") for x in measured), None)
     for r in _json_lines(out / "parity.jsonl"):
         rows.append(_pick("parity", r))
         device = device or r.get("device")
@@ -92,20 +96,24 @@ def collect(out: Path) -> tuple[list[dict], str | None]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", type=Path, help="the folder gpu_session.sh wrote")
+    p.add_argument("out", type=Path, nargs="+", help="the folders gpu_session.sh wrote (both parts': one file)")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--jax", default=None, help="the jax version (default: this process's)")
     p.add_argument("--into", type=Path, default=Path(__file__).parent / "results")
     a = p.parse_args(argv)
-    rows, device = collect(a.out)
+    rows, device = [], None
+    for out in a.out:
+        found, on = collect(out)
+        rows, device = rows + found, device or on
     if not rows:
-        print(f"no rows in {a.out}", file=sys.stderr)
+        print(f"no rows in {', '.join(map(str, a.out))}", file=sys.stderr)
         return 1
     if a.jax is None:
         import jax
         a.jax = jax.__version__
     date = datetime.date.today().isoformat()
-    slug = (device or "device").split()[-1].lower()
+    words = (device or "device").split()  # "NVIDIA H100 80GB HBM3": h100
+    slug = next((w for w in words if re.fullmatch(r"[A-Z]\d{3}", w)), words[-1]).lower()
     a.into.mkdir(parents=True, exist_ok=True)
     path = a.into / f"{slug}-{date}.json"
     path.write_text(json.dumps({"device": device, "commit": a.commit, "date": date, "jax": a.jax, "rows": rows},

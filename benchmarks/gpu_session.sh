@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One prepared GPU run (the `device` tool's machine: jax + CUDA plugin installed, no internet), about 8 minutes
-# on an H200 with the compiles (the steps' limits add up to 11). Each step runs under its own `timeout` and
-# writes its rows as it goes, so a step cut short keeps what it measured and the next one runs; the results
-# file can be written from the folder afterwards (gpu_results.py) if the run itself is cut short:
+# One prepared GPU run (the `device` tool's machine: jax + CUDA plugin installed, no internet), in two parts
+# that each fit one device call of 10 minutes: part 1, about 7 minutes on an H200 with the compiles (its steps'
+# limits add up to 10), then part 2 on the still warm machine, 4 to 9. Each step runs under its own
+# `timeout` and writes its rows as it goes, so a step cut short keeps what it measured and the next one runs:
+#   part 1:
 #   1. attention, decode (bf16, then fp8 pages at 32k) then prefill: every kernel checked against the reference
 #      on this GPU, then timed (ours, the Mosaic GPU kernel with and without its context split, the portable one,
 #      XLA, JAX's own);
@@ -11,13 +12,19 @@
 #      run twice, the second with the first's compilation cache: the start, cold and warm; the first dumps
 #      its optimised decode program, and gpu_hlo.py counts its kernels a step (to set against the trace);
 #      a third run puts the step's loops and conditionals into XLA's CUDA graphs (wall time only);
-#   4. gpu_projection --measure: decode programs served and timed against their projected time;
-#   5. host_copy: the host tier's in-step page copies down and up, GB/s.
-# Then gpu_results.py writes benchmarks/results/<device>-<date>.json from what the steps wrote.
-# Usage (repo root): bash benchmarks/gpu_session.sh [OUTDIR]   (OUTDIR defaults to $OUT or /tmp/gpu_session)
-# SMOKE=1 runs every step at its smallest (CPU, interpret mode) to check the script before a GPU is lent.
+#   4. host_copy: the host tier's in-step page copies down and up, GB/s;
+#   part 2:
+#   5. gpu_projection --measure: the Llama-3.1-8B-like decode step at B=64, 4k (two compiles of a 32-layer
+#      model, 64 prefills of 4k tokens), timed against its projected time.
+# Then gpu_results.py writes OUTDIR/results/<device>-<date>.json from what the steps wrote; for both parts'
+# rows in one file, or after a run cut short: python benchmarks/gpu_results.py PART1_OUTDIR PART2_OUTDIR.
+# Usage (repo root): bash benchmarks/gpu_session.sh [OUTDIR [PART]]   (OUTDIR: $OUT or /tmp/gpu_session;
+# PART: 1, 2 or all, the default)
+# SMOKE=1 runs part 1's steps at their smallest (CPU, interpret mode) to check the script before a GPU is lent.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/gpu_session}}
+part=${2:-all}
+case $part in 1|2|all) ;; *) echo "PART must be 1, 2 or all, got '$part'" >&2; exit 2;; esac
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export JAX_COMPILATION_CACHE_DIR="$out/jax_cache"
@@ -44,14 +51,14 @@ if [ -n "$smoke" ]; then
     --smoke --traced-calls 0 --json
   step host_copy.jsonl 60 python benchmarks/host_copy.py --model tiny-gemma3 --blocks 2 --pool-blocks 8 \
     --host-blocks 8 --repeats 1 --json
-else
+elif [ "$part" != 2 ]; then
   step attention_decode.jsonl 120 python benchmarks/attention_gpu.py --mode decode --batch 1,64,256 \
     --context 4096,32768 --page 16 --repeats 10 --json
   step attention_decode_fp8.jsonl 60 python benchmarks/attention_gpu.py --mode decode --batch 1,64 \
     --context 32768 --page 16 --repeats 10 --kv-dtype fp8 --json
   step attention_prefill.jsonl 60 python benchmarks/attention_gpu.py --mode prefill --batch 1,8 \
     --context 4096,32768 --page 16 --repeats 5 --json
-  step parity.jsonl 100 python benchmarks/gpu_parity.py --cases tiny-gemma3:vllm,tiny-jamba:min-waste
+  step parity.jsonl 95 python benchmarks/gpu_parity.py --cases tiny-gemma3:vllm,tiny-jamba:min-waste
   step decode_profile_cold.json 80 env XLA_FLAGS="${XLA_FLAGS:-} $dump" python benchmarks/decode_profile.py \
     --config gemma-3-270m --batch 1 --context 1024 --json
   step decode_profile_warm.json 45 python benchmarks/decode_profile.py --config gemma-3-270m --batch 1 \
@@ -60,9 +67,13 @@ else
     --context 1024 --json
   step decode_profile_graphs.json 70 env XLA_FLAGS="${XLA_FLAGS:-} $graphs" python benchmarks/decode_profile.py \
     --config gemma-3-270m --batch 1 --context 1024 --calls 6 --traced-calls 0 --json
-  step projection.json 70 python benchmarks/gpu_projection.py --configs gemma-3-270m,llama-3.1-8b-like \
-    --devices h200 --batches 1 --contexts 4096 --programs decode_steps --measure --json
   step host_copy.jsonl 40 python benchmarks/host_copy.py --blocks 8,64,512 --repeats 10 --json
+fi
+if [ -z "$smoke" ] && [ "$part" != 1 ]; then
+  # f32 weights and bf16 pages: about 65 GB, more than JAX's default 75% of an H100's memory.
+  step projection.json 540 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python benchmarks/gpu_projection.py \
+    --configs llama-3.1-8b-like --devices h200 --batches 64 --contexts 4096 --programs decode_steps --measure \
+    --repeats 8 --json
 fi
 python benchmarks/gpu_results.py "$out" --commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
   --into "$out/results"

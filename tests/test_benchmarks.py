@@ -51,6 +51,34 @@ def test_gpu_session_smoke_runs_every_step_and_writes_the_results_file(tmp_path)
     assert copy["blocks"] == 2 and copy["down_gb_per_s"] > 0 and copy["up_gb_per_s"] > 0
 
 
+def test_gpu_results_joins_the_sessions_two_parts_and_names_the_device_that_measured(tmp_path):
+    """Part 2 of ``gpu_session.sh`` (the projection) runs in a device call of its own: ``gpu_results.py`` takes
+    both folders into one file, and part 2's folder alone still names its device. A wrong part is refused."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_results
+
+    one, two, into = (tmp_path / name for name in ("one", "two", "into"))
+    one.mkdir(), two.mkdir()
+    (one / "parity.jsonl").write_text(json.dumps({"model": "tiny-gemma3", "device": "NVIDIA H100 80GB HBM3",
+                                                  "tokens_equal": 4, "requests": 4}) + "\n")
+    projected = {"config": "llama-3.1-8b-like", "device": "h200", "batch": 64, "context": 4096, "projected_ms": 9.0}
+    (two / "projection.json").write_text(json.dumps({"rows": [
+        {**projected, "measured_ms": 10.5, "measured_on": "NVIDIA H200"}, {**projected, "batch": 1}]}) + "\n")
+    assert gpu_results.main([str(one), str(two), "--into", str(into), "--commit", "abc"]) == 0
+    [both] = into.glob("*.json")
+    got = json.loads(both.read_text())
+    assert both.name.startswith("h100-") and got["device"] == "NVIDIA H100 80GB HBM3"  # part 1's, read first
+    assert [r["bench"] for r in got["rows"]] == ["parity", "projection"]  # the unmeasured row left out
+    assert got["rows"][1]["measured_ms"] == 10.5 and got["rows"][1]["measured_on"] == "NVIDIA H200"
+    both.unlink()
+    assert gpu_results.main([str(two), "--into", str(into)]) == 0
+    [alone] = into.glob("*.json")
+    assert alone.name.startswith("h200-") and json.loads(alone.read_text())["device"] == "NVIDIA H200"
+    bad = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_session.sh"), str(one), "3"], capture_output=True,
+                         text=True, timeout=30, cwd=ROOT)
+    assert bad.returncode == 2 and "PART must be 1, 2 or all" in bad.stderr
+
+
 def test_decode_profile_reads_device_busy_time_and_kernels_from_a_trace():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from decode_profile import device_events, summarise
