@@ -63,13 +63,6 @@ def target_device() -> tuple[str, bool]:
     return dev.platform, str(getattr(dev, "compute_capability", "0")).startswith("9")
 
 
-def conditionals_sync() -> bool:
-    """Whether a conditional in a program built for ``target_device()`` reads its predicate back to the host
-    before it runs a branch (XLA:GPU; the device idles about 50 us a read on an H200: benchmarks/README.md).
-    There, a conditional whose branches are cheap runs both and a select keeps one."""
-    return target_device()[0] == "gpu"
-
-
 def default_impl() -> str:
     """The implementation ``auto`` prefers (shapes permitting: ``choose``) on ``target_device()``."""
     platform, hopper = target_device()

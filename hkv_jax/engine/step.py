@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import kernels_pallas
 from hkv_jax.allocator import host_tier, ops
 from hkv_jax.allocator.decode import DecodePath
 from hkv_jax.allocator.state import RUNNING, WAITING, AllocatorState, Layout, hash_once
@@ -296,9 +295,6 @@ def _logits_processors(plan: StepPlan, alloc: AllocatorState, b: _Batch, per_row
     return adjust, adjusted
 
 
-SELECT_LOGITS = 1 << 22  # the most logits whose processors run as a select rather than a conditional on a GPU
-
-
 def _sample(static: StepStatic, state: EngineState, plan: StepPlan, alloc: AllocatorState, b: _Batch, ok, logits):
     """Stage 4, the sampler: ``(tokens i32[R * P], do_sample bool[R], key)``, each sampled row under its
     request's values, after the logits processors where some row has any."""
@@ -326,12 +322,8 @@ def _sample(static: StepStatic, state: EngineState, plan: StepPlan, alloc: Alloc
     adjust, adjusted = _logits_processors(plan, alloc, b, per_row, positions, rows_sample, penalties, prompt_len,
                                           min_tokens)
     # A step where no sampled row has any skips them: a conditional on the tokens, so that no [R, V] copy is
-    # made. On a GPU (``conditionals_sync``) a select instead where the logits are few: the processors'
-    # few passes over 2^22 floats take about the 50 us an H200 idles for a conditional's read.
-    if kernels_pallas.conditionals_sync() and logits.size <= SELECT_LOGITS:
-        new_tokens = draw(jnp.where(jnp.any(adjust), adjusted(logits), logits))
-    else:
-        new_tokens = jax.lax.cond(jnp.any(adjust), lambda: draw(adjusted(logits)), lambda: draw(logits))
+    # made. On a GPU it runs inside XLA's CUDA graph (no loop in its branches), with no read by the host.
+    new_tokens = jax.lax.cond(jnp.any(adjust), lambda: draw(adjusted(logits)), lambda: draw(logits))
     return new_tokens, do_sample, key
 
 
