@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_session_smoke_runs_every_step_and_writes_the_results_file(tmp_path):
-    """``SMOKE=1 gpu_session.sh``: every step at its smallest on CPU (the attention kernels in interpret mode),
+    """``SMOKE=1 gpu_session.sh``: part 1's steps at their smallest on CPU (attention kernels in interpret mode),
     each under its timeout, then the results file from what they wrote."""
     env = {**os.environ, "SMOKE": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_session.sh"), str(tmp_path)], capture_output=True,
