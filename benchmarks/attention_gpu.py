@@ -6,7 +6,8 @@ ids; 8 kv heads, head size 128, bf16 KV (``--kv-dtype fp8``: e4m3 pages, half th
 Prefill: the last ``--prefill-chunk`` tokens of each sequence are queries (a chunked-prefill step).
 Implementations: ``ours`` (``kernels_pallas.paged_attention``, ``impl=auto``: Mosaic GPU on Hopper),
 ``mosaic_gpu`` (that kernel, its context split as ``auto`` splits it; the rows say into how many runs),
-``mosaic_gpu_nosplit`` (the same kernel without the split), ``triton`` (the portable Pallas kernel),
+``mosaic_gpu_nosplit`` (the same kernel without the split), for prefill ``mosaic_gpu_1wg`` (the same kernel
+with one warpgroup a program where ``auto`` gives prefill two), ``triton`` (the portable Pallas kernel),
 ``xla`` (the jnp reference, compiled by XLA) and, for decode, ``jax``
 (``jax.experimental.pallas.ops.gpu.paged_attention``, fed its own head-major page layout). Every
 implementation is first checked against the reference on a small case. Bytes = K and V of every page a
@@ -78,6 +79,9 @@ def implementations(mode: str, smoke: bool, kv_dtype=DTYPE):
         impls["mosaic_gpu"] = paged("mosaic_gpu")
         impls["mosaic_gpu_nosplit"] = lambda *a: paged_attention_mgpu.paged_attention(*a, params, interpret=smoke,
                                                                                       splits=1)
+        if mode == "prefill":
+            impls["mosaic_gpu_1wg"] = lambda *a: paged_attention_mgpu.paged_attention(*a, params, interpret=smoke,
+                                                                                      warpgroups=1)
     if mode == "decode" and jnp.dtype(kv_dtype) == jnp.dtype(DTYPE):  # JAX's kernel reads q's dtype only
         try:
             impls["jax"] = jax_paged_attention(smoke)
@@ -114,12 +118,18 @@ def jax_blocking(pages_per_seq: int, page: int) -> tuple[int, int]:
     return per_block, max(d for d in range(1, 17) if blocks % d == 0)
 
 
-def mosaic_splits(batch: int, q_per_seq: int, context: int, page: int) -> int:
-    """The runs ``auto`` splits each work item's keys into for a case (``paged_attention_mgpu``)."""
-    block_q = paged_attention_mgpu.ROWS // (Q_HEADS // KV_HEADS)
-    tokens = batch * q_per_seq
+def mosaic_form(batch: int, q_per_seq: int, context: int, page: int, warpgroups: int | None = None,
+                kv_dtype=DTYPE) -> dict:
+    """``{"splits", "warpgroups"}``: how the Mosaic GPU kernel runs a case when ``paged_attention_mgpu``
+    picks them (``warpgroups``: given, else its default for the case)."""
+    tokens, blocks = batch * q_per_seq, -(-context // page)
+    if warpgroups is None:
+        warpgroups = paged_attention_mgpu.default_warpgroups(tokens, batch, Q_HEADS // KV_HEADS, HEAD, blocks,
+                                                             jnp.dtype(kv_dtype).itemsize)
+    block_q = warpgroups * paged_attention_mgpu.ROWS // (Q_HEADS // KV_HEADS)
     items = -(-tokens // block_q) + batch
-    return paged_attention_mgpu.default_splits(min(items, tokens), KV_HEADS, -(-context // page) * page)
+    return {"splits": paged_attention_mgpu.default_splits(min(items, tokens), KV_HEADS, blocks * page),
+            "warpgroups": warpgroups}
 
 
 def prefill_flops(batch: int, context: int, q_per_seq: int) -> int:
@@ -200,8 +210,11 @@ def main(argv=None) -> int:
                                "time_us": round(us, 1), "bytes": nbytes, "bandwidth_gbs": round(bw / 1e9, 1),
                                "peak_fraction": round(bw / peak, 3) if peak else None,
                                "kv_dtype": kv_dtype.name, "device": dev.device_kind}
-                        if name == "mosaic_gpu" or (name == "ours" and kernels_pallas.default_impl() == name):
-                            row["splits"] = mosaic_splits(batch, q_per, context, page)
+                        if name.startswith("mosaic_gpu") or (name == "ours" and kernels_pallas.default_impl() ==
+                                                              "mosaic_gpu" and not a.smoke):
+                            row.update(mosaic_form(batch, q_per, context, page, 1 if name.endswith("1wg") or a.smoke
+                                                   else None, kv_dtype))
+                            row["splits"] = 1 if name.endswith("nosplit") else row["splits"]
                         if mode == "prefill":
                             row["tflops"] = round(prefill_flops(batch, context, q_per) / (us * 1e-6) / 1e12, 2)
                         if a.json:
@@ -210,7 +223,8 @@ def main(argv=None) -> int:
                               f"{us:10.1f} us {bw / 1e9:9.1f} GB/s"
                               + (f" {100 * bw / peak:5.1f}% of peak" if peak else "")
                               + (f" {row['tflops']:7.1f} TFLOP/s" if "tflops" in row else "")
-                              + (f" splits {row['splits']}" if "splits" in row else ""), file=sys.stderr, flush=True)
+                              + (f" splits {row['splits']}, {row['warpgroups']} warpgroup(s)" if "splits" in row
+                                 else ""), file=sys.stderr, flush=True)
                     del args
     return 0
 

@@ -6,8 +6,8 @@ field:
 
 - ``attention_decode``: ``impl``, ``batch``, ``context``, ``page``, ``time_us``, ``peak_fraction``, ``kv_dtype``
   (and ``splits`` for the Mosaic GPU kernel), from ``attention_decode.jsonl`` and ``attention_decode_fp8.jsonl``;
-- ``attention_prefill``: ``impl``, ``batch``, ``context``, ``time_us``, ``tflops``, from
-  ``attention_prefill.jsonl``;
+- ``attention_prefill``: ``impl``, ``batch``, ``context``, ``time_us``, ``tflops`` (and ``splits`` and
+  ``warpgroups`` for the Mosaic GPU kernel), from ``attention_prefill.jsonl``;
 - ``decode_profile``: ``config``, ``batch``, ``context``, ``step_ms``, ``gpu_busy_ms``, ``kernels_per_step``,
   ``d2h_per_step``, ``d2h_wait_us_median``, ``xla_flags``,
   from ``decode_profile_cold.json``, and the step in XLA's CUDA graphs (wall time) from
@@ -39,7 +39,7 @@ from pathlib import Path
 
 FIELDS = {
     "attention_decode": ("impl", "batch", "context", "page", "time_us", "peak_fraction", "splits", "kv_dtype"),
-    "attention_prefill": ("impl", "batch", "context", "page", "time_us", "tflops", "splits"),
+    "attention_prefill": ("impl", "batch", "context", "page", "time_us", "tflops", "splits", "warpgroups"),
     "decode_profile": ("config", "batch", "context", "decode_steps", "step_ms", "gpu_busy_ms", "kernels_per_step",
                        "d2h_per_step", "d2h_wait_us_median", "xla_flags", "top"),
     "projection": ("config", "program", "batch", "context", "measured_ms", "projected_ms", "measured_gb_per_s",

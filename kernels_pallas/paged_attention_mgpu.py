@@ -21,6 +21,15 @@ sequence has ``Hkv`` programs without a split: 8 of an H200's 132 SMs busy,
 each walking the whole context. ``default_splits`` fills the SMs, and a
 sliding window's item still splits only the tiles of its window.
 
+Prefill (``warpgroups=2``): two warpgroups per program, each with its own 64 query
+rows of a 128-row item, walk the same K/V tiles: warpgroup 0 issues the copies,
+and a tile's slot is refilled once both have arrived on its ``consumed`` barrier.
+Each K/V tile then feeds twice the rows, so a prefill reads half the tiles into
+shared memory per query row (FlashAttention-2/3 give a program 128 query rows for
+the same reason). ``default_warpgroups`` picks 2 where a batch's sequences have
+enough query tokens to fill such items and the shared memory holds them; decode
+steps keep one.
+
 A tile is 64 keys whatever the block size: ``P`` then has 128-byte rows, the
 swizzle the P.V wgmma needs (16- and 32-token pages gave 32- and 64-byte rows,
 which Mosaic GPU cannot lay out). A tile is filled by ``64 / chunk`` copies of
@@ -62,6 +71,10 @@ from kernels_pallas.support import YES, Support, no
 ROWS = 64  # query rows per warpgroup: the wgmma M dimension
 KEYS = 64  # keys per loop iteration: P's rows are 128 bytes in bf16/fp16
 SMEM_BYTES = 232448  # an H100/H200 block's shared memory (227 KiB)
+# What Mosaic GPU's own count adds to the buffers' sizes (barriers, each swizzled buffer aligned): 3.7 to
+# 5.2 KiB for every head size, page dtype, table width and warpgroup count (its lowering refuses a kernel
+# past SMEM_BYTES, and says by how much).
+SMEM_ALIGNMENT = 6 * 1024
 HOPPER_SMS = 132  # an H100 SXM's or H200's streaming multiprocessors, where the device does not say
 MAX_SPLITS = 32  # more runs than this add partial outputs faster than they shorten a run
 # A block-table row sits in shared memory as [rows, TABLE_COLS]: one TMA copy moves at most 256 entries
@@ -81,11 +94,12 @@ def compute_dtype(kv_dtype):
     return jnp.dtype(jnp.bfloat16) if is_fp8(kv_dtype) else jnp.dtype(kv_dtype)
 
 
-def smem_bytes(head_size: int, max_blocks: int, kv_itemsize: int = 2) -> int:
-    """Shared memory the kernel takes: Q, double-buffered K and V tiles (and their bf16 copies over fp8
-    pages), P, the table row, metadata."""
-    tiles = (ROWS * 2 + 4 * KEYS * kv_itemsize + (4 * KEYS if kv_itemsize == 1 else 0)) * head_size + ROWS * KEYS * 2
-    return tiles + 4 * _table_rows(max_blocks) * TABLE_COLS + 4 * (8 + 2 * ROWS + ROWS) + 64
+def smem_bytes(head_size: int, max_blocks: int, kv_itemsize: int = 2, warpgroups: int = 1) -> int:
+    """Shared memory the kernel takes: per warpgroup its Q tile, P and row metadata (and bf16 copies of the
+    K and V tiles over fp8 pages); the double-buffered K and V tiles, the table row and the item's scalars."""
+    own = (ROWS * 2 + (4 * KEYS if kv_itemsize == 1 else 0)) * head_size + ROWS * KEYS * 2 + 4 * 3 * ROWS
+    shared = 4 * KEYS * kv_itemsize * head_size + 4 * _table_rows(max_blocks) * TABLE_COLS + 4 * 8
+    return warpgroups * own + shared + SMEM_ALIGNMENT
 
 
 def _table_rows(max_blocks: int) -> int:
@@ -116,6 +130,15 @@ def supports(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: in
     return YES
 
 
+def default_warpgroups(num_tokens: int, num_seqs: int, group: int, head_size: int, max_blocks: int,
+                       kv_itemsize: int = 2) -> int:
+    """Warpgroups per program (each 64 query rows of one item): 2 where the batch's sequences average
+    enough query tokens to fill a 128-row item (``128 / group`` tokens: prefill chunks) and shared memory
+    holds two, else 1 (decode steps, where an item's second warpgroup would have no rows)."""
+    wide = num_tokens >= num_seqs * (2 * ROWS // group)
+    return 2 if wide and smem_bytes(head_size, max_blocks, kv_itemsize, 2) <= SMEM_BYTES else 1
+
+
 def sm_count() -> int:
     """Streaming multiprocessors of the GPU programs are built for: the abstract mesh's device while one is
     in use (``num_cores``), else the default device's ``core_count``; ``HOPPER_SMS`` where neither says
@@ -140,21 +163,23 @@ def default_splits(busy_items: int, num_kv_heads: int, max_keys: int, sms: int |
 
 
 def _item_metadata(items: ragged.WorkItems, query_start_loc, seq_lens, block_q,
-                   params: AttentionParams, group: int):
-    """Per item: scalars ``i32[I, META]`` and per-row ``i32[I, 2, ROWS]`` (position, first visible key)."""
+                   params: AttentionParams, group: int, warpgroups: int):
+    """Per item: scalars ``i32[I, META]`` and per warpgroup and row ``i32[I, warpgroups, 2, ROWS]``
+    (position, first visible key)."""
     b = ragged.item_bounds(items, query_start_loc, seq_lens, block_q, params)
     key_hi = jnp.where(b.n_rows > 0, b.p0 + b.n_rows, b.k_lo)  # an empty item has no tiles
     scalars = jnp.stack([b.seq, b.k_lo, key_hi], axis=1).astype(jnp.int32)
-    row = jnp.arange(ROWS) // group
+    row = jnp.arange(warpgroups * ROWS) // group
     pos = b.p0[:, None] + row[None, :]
     ok = row[None, :] < b.n_rows[:, None]
     # First key each row sees: the mask of reference.key_mask as a lower bound.
     row_lo = ragged.first_visible_key(pos, params)
     rows = jnp.stack([jnp.where(ok, pos, -1), jnp.where(ok, row_lo, 0)], axis=1).astype(jnp.int32)
-    return scalars, rows
+    return scalars, rows.reshape(-1, 2, warpgroups, ROWS).transpose(0, 2, 1, 3)
 
 
-def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk: int, splits: int):
+def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk: int, splits: int,
+            warpgroups: int):
     if has_sinks:
         meta_ref, rows_ref, bt_ref, q_ref, kv_ref, sinks_ref, *refs = refs
     else:
@@ -163,19 +188,27 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
         o_ref, lse_ref, *refs = refs
     else:
         (o_ref, *refs), lse_ref = refs, None
-    meta_smem, rows_smem, bt_smem, q_smem, k_smem, v_smem, p_smem, row_smem, bars, k_bars, v_bars, *half = refs
-    fp8 = bool(half)  # fp8 pages: ``half`` holds the bf16 K and V tiles the wgmmas read
+    (meta_smem, rows_smem, bt_smem, q_smem, k_smem, v_smem, p_smem, row_smem, bars, own_bars, k_bars, v_bars,
+     consumed, *half) = refs
+    fp8 = bool(half)  # fp8 pages: ``half`` holds each warpgroup's bf16 K and V tiles, which the wgmmas read
     item, h = jax.lax.axis_index("item"), jax.lax.axis_index("head")
     split = jax.lax.axis_index("split") if splits > 1 else 0
+    wg = jax.lax.axis_index("wg") if warpgroups > 1 else 0
+    mine = pl.ds(wg * ROWS, ROWS)  # this warpgroup's rows of the item
+
+    def leader(f):  # warpgroup 0 alone copies what the warpgroups share
+        return f() if warpgroups == 1 else pl.when(wg == 0)(f)
+
     bs, d = kv_ref.shape[3], k_smem.shape[2]
     copies = KEYS // chunk
     last_col = bt_smem.shape[0] * TABLE_COLS - 1
-    plgpu.copy_gmem_to_smem(meta_ref.at[item], meta_smem, bars.at[0])
-    plgpu.copy_gmem_to_smem(rows_ref.at[item], rows_smem, bars.at[1])
-    plgpu.copy_gmem_to_smem(q_ref.at[item, h], q_smem, bars.at[2])
+    q_tile, p_tile, rows_tile, row_tile = q_smem.at[wg], p_smem.at[wg], rows_smem.at[wg], row_smem.at[wg]
+    leader(lambda: plgpu.copy_gmem_to_smem(meta_ref.at[item], meta_smem, bars.at[0]))
+    plgpu.copy_gmem_to_smem(rows_ref.at[item, wg], rows_tile, own_bars.at[3 * wg])
+    plgpu.copy_gmem_to_smem(q_ref.at[item, h, mine], q_tile, own_bars.at[3 * wg + 1])
     if has_sinks:
-        plgpu.copy_gmem_to_smem(sinks_ref.at[h], row_smem, bars.at[4])
-        plgpu.barrier_wait(bars.at[4])
+        plgpu.copy_gmem_to_smem(sinks_ref.at[h, mine], row_tile, own_bars.at[3 * wg + 2])
+        plgpu.barrier_wait(own_bars.at[3 * wg + 2])
     plgpu.barrier_wait(bars.at[0])
     seq, key_lo, key_hi = meta_smem[_SEQ], meta_smem[_KEY_LO], meta_smem[_KEY_HI]
     tile_lo = key_lo // KEYS
@@ -184,17 +217,17 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
     per_run = (tile_hi - tile_lo + splits - 1) // splits
     run_lo = jnp.minimum(tile_lo + split * per_run, tile_hi)
     run_hi = jnp.minimum(run_lo + per_run, tile_hi)
-    plgpu.copy_gmem_to_smem(bt_ref.at[seq], bt_smem, bars.at[3])
+    leader(lambda: plgpu.copy_gmem_to_smem(bt_ref.at[seq], bt_smem, bars.at[1]))
+    plgpu.barrier_wait(own_bars.at[3 * wg])
+    plgpu.barrier_wait(own_bars.at[3 * wg + 1])
     plgpu.barrier_wait(bars.at[1])
-    plgpu.barrier_wait(bars.at[2])
-    plgpu.barrier_wait(bars.at[3])
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def to_compute(tile):  # an fp8 tile in registers, in q's dtype (through f32: ptxas converts fp8 to f16 only)
         return plgpu.load(tile, layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32).astype(q_smem.dtype)
-    row_pos = plgpu.load(rows_smem.at[0], layout=row_layout)
-    row_lo = plgpu.load(rows_smem.at[1], layout=row_layout)
+    row_pos = plgpu.load(rows_tile.at[0], layout=row_layout)
+    row_lo = plgpu.load(rows_tile.at[1], layout=row_layout)
     col = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=plgpu.Layout.WGMMA)
 
     def fetch(t, slot):
@@ -215,7 +248,7 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
 
     @pl.when(run_lo < run_hi)
     def _():
-        fetch(run_lo, 0)
+        leader(lambda: fetch(run_lo, 0))
 
     def body(t, carry):
         acc, m, l = carry
@@ -223,18 +256,22 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
 
         @pl.when(t + 1 < run_hi)
         def _():
-            fetch(t + 1, 1 - slot)
+            def refill():
+                if warpgroups > 1:  # the other slot held tile t - 1: both warpgroups must be done with it
+                    pl.when(t > run_lo)(lambda: plgpu.barrier_wait(consumed.at[1 - slot]))
+                fetch(t + 1, 1 - slot)
+            leader(refill)
 
         wait(k_bars, slot)
         if fp8:
-            k_tile = half[0]
+            k_tile = half[0].at[wg]
             k_tile[...] = to_compute(k_smem.at[slot])
             plgpu.commit_smem()
         else:
             k_tile = k_smem.at[slot]
 
         def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_tile.T)
+            plgpu.wgmma(acc_ref, q_tile, k_tile.T)
             return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((ROWS, KEYS), jnp.float32)) * scale
@@ -258,25 +295,27 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
             return jnp.where((key >= key_lo) & (key < key_hi), v, jnp.zeros_like(v))
 
         if fp8:  # every tile goes through registers anyway: zero its stale rows there
-            v_tile = half[1]
+            v_tile = half[1].at[wg]
             v_tile[...] = visible(to_compute(v_smem.at[slot]))
         else:
             v_tile = v_smem.at[slot]
 
             @pl.when((t == tile_lo) | (t == tile_hi - 1))
-            def _():  # only the edge tiles can hold stale rows
+            def _():  # only the edge tiles can hold stale rows (both warpgroups write the same zeros)
                 v_smem[slot] = visible(plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA))
 
         # P goes through shared memory and into a fresh accumulator: the Mosaic GPU
         # interpreter takes wgmma operands from refs only (registers would save a trip).
-        p_smem[...] = p.astype(p_smem.dtype)
+        p_tile[...] = p.astype(p_tile.dtype)
         plgpu.commit_smem()
 
         def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_tile)
+            plgpu.wgmma(acc_ref, p_tile, v_tile)
             return acc_ref[...]
 
         acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, d), jnp.float32))
+        if warpgroups > 1:
+            plgpu.barrier_arrive(consumed.at[slot])
         return acc, m_new, l
 
     init = (
@@ -287,23 +326,23 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
     acc, m, l = jax.lax.fori_loop(run_lo, run_hi, body, init)
     if splits > 1:  # each run's own output and log-denominator; the sink enters once, in _combine
         l_ = jnp.where(l > 0, l, 1.0)
-        row_smem[...] = jnp.where(l > 0, m + jnp.log(l_), MASK_VALUE)
-        q_smem[...] = (acc / jax.lax.broadcast_in_dim(l_, acc.shape, [0])).astype(q_smem.dtype)
+        row_tile[...] = jnp.where(l > 0, m + jnp.log(l_), MASK_VALUE)
+        q_tile[...] = (acc / jax.lax.broadcast_in_dim(l_, acc.shape, [0])).astype(q_tile.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[item, h, split])
-        plgpu.copy_smem_to_gmem(row_smem, lse_ref.at[item, h, split])
+        plgpu.copy_smem_to_gmem(q_tile, o_ref.at[item, h, split, mine])
+        plgpu.copy_smem_to_gmem(row_tile, lse_ref.at[item, h, split, mine])
         plgpu.wait_smem_to_gmem(0)
         return
     if has_sinks:
-        sink = plgpu.load(row_smem, layout=row_layout)
+        sink = plgpu.load(row_tile, layout=row_layout)
         m_fin = jnp.maximum(m, sink)
         corr = jnp.exp(m - m_fin)
         l = l * corr + jnp.exp(sink - m_fin)
         acc = acc * jax.lax.broadcast_in_dim(corr, acc.shape, [0])
     l = jnp.where(l > 0, l, 1.0)
-    q_smem[...] = (acc / jax.lax.broadcast_in_dim(l, acc.shape, [0])).astype(q_smem.dtype)
+    q_tile[...] = (acc / jax.lax.broadcast_in_dim(l, acc.shape, [0])).astype(q_tile.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[item, h])
+    plgpu.copy_smem_to_gmem(q_tile, o_ref.at[item, h, mine])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -343,37 +382,52 @@ def _combine(o: jax.Array, lse: jax.Array, sinks: jax.Array | None, items: ragge
     return out.reshape(out.shape[0], hkv * group, d).astype(o.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("params", "interpret", "splits"))
+@functools.partial(jax.jit, static_argnames=("params", "interpret", "splits", "warpgroups"))
 def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
                     query_start_loc: jax.Array, seq_lens: jax.Array, params: AttentionParams,
                     sinks: jax.Array | None = None, *, interpret: bool = False,
-                    splits: int | None = None) -> jax.Array:
+                    splits: int | None = None, warpgroups: int | None = None) -> jax.Array:
     """Ragged paged attention (shapes: ``reference.py``) with the Mosaic GPU kernel.
 
     ``splits``: runs each item's keys are split into (``None``: ``default_splits`` for these shapes on
-    this GPU). ``interpret=True`` runs it in Mosaic GPU's interpreter on CPU. Raises ``ValueError`` for
-    shapes the kernel does not take (``supports``) or ``splits < 1``.
+    this GPU); ``warpgroups``: 1 or 2 per program, each with 64 query rows of an item (``None``:
+    ``default_warpgroups`` on a GPU, 1 in interpret mode: the interpreter runs each warpgroup on a thread
+    of the CPU client's pool, and on a machine of few cores two of them can wait on each other's barriers
+    while neither thread runs; ``tests/mgpu_warpgroups.py`` runs two with more CPU devices, hence threads).
+    ``interpret=True`` runs it in Mosaic GPU's interpreter on CPU. Raises
+    ``ValueError`` for shapes the kernel does not take (``supports``; with ``warpgroups=2``, also when two
+    do not fit in shared memory), ``splits < 1`` or ``warpgroups`` other than 1 or 2.
     """
     num_tokens, hq, d = q.shape
     _, _, hkv, bs, _ = kv_pages.shape
-    support = supports(q.dtype, kv_pages.shape, kv_pages.dtype, hq, block_tables.shape[1])
+    S, max_blocks = block_tables.shape
+    itemsize = jnp.dtype(kv_pages.dtype).itemsize
+    support = supports(q.dtype, kv_pages.shape, kv_pages.dtype, hq, max_blocks)
     if not support:
         raise ValueError(f"Mosaic GPU paged attention does not take {support.reason}")
     group = hq // hkv
-    block_q = ROWS // group
+    if warpgroups is None:
+        warpgroups = 1 if interpret else default_warpgroups(num_tokens, query_start_loc.shape[0] - 1, group, d,
+                                                            max_blocks, itemsize)
+    if warpgroups not in (1, 2):
+        raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups}")
+    if smem_bytes(d, max_blocks, itemsize, warpgroups) > SMEM_BYTES:
+        raise ValueError(f"two warpgroups of head_size {d} with {max_blocks} table columns do not fit in shared "
+                         f"memory ({smem_bytes(d, max_blocks, itemsize, warpgroups)} bytes)")
+    rows_per_item = warpgroups * ROWS
+    block_q = rows_per_item // group
     items = ragged.work_items(query_start_loc, num_tokens, block_q)
     n = items.seq.shape[0]
     if splits is None:  # at most one busy item per query token
-        splits = default_splits(min(n, num_tokens), hkv, block_tables.shape[1] * bs)
+        splits = default_splits(min(n, num_tokens), hkv, max_blocks * bs)
     if splits < 1:
         raise ValueError(f"splits must be at least 1, got {splits}")
     scalars, rows = _item_metadata(items, query_start_loc.astype(jnp.int32),
-                                   seq_lens.astype(jnp.int32), block_q, params, group)
-    # [I, block_q, Hkv, G, D] -> [I, Hkv, ROWS, D]: one contiguous Q tile per program.
+                                   seq_lens.astype(jnp.int32), block_q, params, group, warpgroups)
+    # [I, block_q, Hkv, G, D] -> [I, Hkv, rows, D]: one contiguous Q tile per warpgroup.
     q_items = ragged.gather_queries(q, items).reshape(n, block_q, hkv, group, d)
-    q_items = q_items.transpose(0, 2, 1, 3, 4).reshape(n, hkv, ROWS, d)
+    q_items = q_items.transpose(0, 2, 1, 3, 4).reshape(n, hkv, rows_per_item, d)
     # Each table row as [rows, TABLE_COLS] (zero padded: the null block), one TMA copy.
-    S, max_blocks = block_tables.shape
     rows_ = _table_rows(max_blocks)
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, rows_ * TABLE_COLS - max_blocks)))
     bt = bt.reshape(S, rows_, TABLE_COLS)
@@ -383,36 +437,41 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     fp8 = is_fp8(kv_pages.dtype)
     # fp8 tiles are only read into registers: plain rows; the wgmma operands are tiled and swizzled.
     kv_tile = plgpu.SMEM((2, KEYS, d), kv_pages.dtype, **({} if fp8 else {"transforms": tiled}))
-    half = [plgpu.SMEM((KEYS, d), q.dtype, transforms=tiled)] * 2 if fp8 else []
+    half = [plgpu.SMEM((warpgroups, KEYS, d), q.dtype, transforms=tiled)] * 2 if fp8 else []
+    threads = {"num_threads": warpgroups, "thread_name": "wg"} if warpgroups > 1 else {}
     kernel = plgpu.kernel(
         functools.partial(_kernel, params=params, scale=params.scale(d), has_sinks=in_kernel_sinks,
-                          chunk=chunk, splits=splits),
-        out_type=(jax.ShapeDtypeStruct((n, hkv, ROWS, d), q.dtype) if splits == 1 else
-                  (jax.ShapeDtypeStruct((n, hkv, splits, ROWS, d), q.dtype),
-                   jax.ShapeDtypeStruct((n, hkv, splits, ROWS), jnp.float32))),
+                          chunk=chunk, splits=splits, warpgroups=warpgroups),
+        out_type=(jax.ShapeDtypeStruct((n, hkv, rows_per_item, d), q.dtype) if splits == 1 else
+                  (jax.ShapeDtypeStruct((n, hkv, splits, rows_per_item, d), q.dtype),
+                   jax.ShapeDtypeStruct((n, hkv, splits, rows_per_item), jnp.float32))),
         scratch_types=[
             plgpu.SMEM((8,), jnp.int32),
-            plgpu.SMEM((2, ROWS), jnp.int32),
+            plgpu.SMEM((warpgroups, 2, ROWS), jnp.int32),
             plgpu.SMEM((rows_, TABLE_COLS), jnp.int32),
-            plgpu.SMEM((ROWS, d), q.dtype, transforms=tiled),
+            plgpu.SMEM((warpgroups, ROWS, d), q.dtype, transforms=tiled),
             kv_tile,
             kv_tile,
-            plgpu.SMEM((ROWS, KEYS), q.dtype, transforms=tiled),
-            plgpu.SMEM((ROWS,), jnp.float32),
-            plgpu.Barrier(num_barriers=5),
+            plgpu.SMEM((warpgroups, ROWS, KEYS), q.dtype, transforms=tiled),
+            plgpu.SMEM((warpgroups, ROWS), jnp.float32),
+            plgpu.Barrier(num_barriers=2),  # the item's scalars, its table row
+            plgpu.Barrier(num_barriers=3 * warpgroups),  # each warpgroup's rows, Q tile, sinks
             plgpu.Barrier(num_barriers=2 * (KEYS // chunk)),
             plgpu.Barrier(num_barriers=2 * (KEYS // chunk)),
+            plgpu.Barrier(num_arrivals=warpgroups, num_barriers=2),  # a K/V slot read by every warpgroup
             *half,
         ],
         grid=(n, hkv) if splits == 1 else (n, hkv, splits),
         grid_names=("item", "head") if splits == 1 else ("item", "head", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
+        **threads,
     )
     meta = jnp.pad(scalars, ((0, 0), (0, 8 - META)))  # 32-byte rows for TMA
     extra = ()
     if in_kernel_sinks:  # each row's head's sink
-        extra = (jnp.repeat(sinks.astype(jnp.float32).reshape(hkv, 1, group), block_q, axis=1).reshape(hkv, ROWS),)
+        extra = (jnp.repeat(sinks.astype(jnp.float32).reshape(hkv, 1, group), block_q, axis=1)
+                 .reshape(hkv, rows_per_item),)
     o = kernel(meta, rows, bt, q_items, kv_pages, *extra)
     if splits > 1:
         return _combine(*o, sinks, items, group)

@@ -141,9 +141,24 @@ def test_portable_kernel_equals_dense_attention(case):
 @given(cases(block_sizes=(16, 32, 48, 64), groups=(1, 2, 4, 8), head_sizes=(64, 128),
              dtypes=("bfloat16", "float16")))
 def test_mosaic_gpu_kernel_equals_dense_attention(case):
-    check(run(mgpu.paged_attention, case, interpret=True, splits=1), case)
+    check(run(mgpu.paged_attention, case, interpret=True, splits=1, warpgroups=1), case)
     # Split over the context: 3 runs of each item's tiles (some empty where an item has fewer), combined.
-    check(run(mgpu.paged_attention, case, interpret=True, splits=3), case)
+    check(run(mgpu.paged_attention, case, interpret=True, splits=3, warpgroups=1), case)
+
+
+def test_mosaic_gpu_kernel_with_two_warpgroups_equals_dense_attention():
+    """Two warpgroups a program (128-row prefill items sharing each K/V tile), whole and split, over bf16,
+    fp16 and fp8 pages: ``tests/mgpu_warpgroups.py``, in a process with four CPU devices (it says why)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "mgpu_warpgroups.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "7 cases equal the dense attention with two warpgroups" in proc.stdout, proc.stdout
 
 
 @settings(max_examples=4, **SETTINGS)

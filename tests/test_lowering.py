@@ -98,6 +98,10 @@ def test_every_planned_shape_lowers_with_the_kernel_auto_picks_on_hopper(shape):
                 return kernels_pallas.paged_attention(q, p, bt, qsl, lens, params, sk, impl=impl)
             text = lower_for(H200, attend, q, pages, *rest, sinks)
             assert "mosaic_gpu" in text or "triton" in text
+    if hopper:  # the prefill form too: two warpgroups a program (they fit for every Hopper shape in bf16)
+        def wide(q, p, bt, qsl, lens, sk):
+            return paged_attention_mgpu.paged_attention(q, p, bt, qsl, lens, params, sk, warpgroups=2)
+        assert "mosaic_gpu" in lower_for(H200, wide, q, pages, *rest, sinks)
     assert kv_write_portable.supports(pages.shape)
     k = sd((T, hkv, d), jnp.bfloat16)
     text = lower_for(H200, lambda p, k, s: kernels_pallas.kv_write(p, k, k, s, impl="triton"), pages, k,
@@ -135,6 +139,41 @@ def test_a_lone_decode_splits_its_context_over_the_h200s_sms_and_lowers():
     q, pages = sd((1, 8, 128), jnp.bfloat16), sd((N, 2, 8, 16, 128), jnp.bfloat16)
     rest = (sd((1, MAX_BLOCKS), jnp.int32), sd((2,), jnp.int32), sd((1,), jnp.int32), sd((8,), jnp.float32))
     text = lower_for(H200, lambda *a: kernels_pallas.paged_attention(*a[:5], params, a[5]), q, pages, *rest)
+    assert "mosaic_gpu" in text
+
+
+def test_prefill_batches_take_two_warpgroups_a_program_and_decode_batches_one():
+    """``default_warpgroups``: 2 where the sequences average enough query tokens to fill 128-row items
+    (``128 / G`` tokens) and two fit in shared memory, else 1; the wrapper refuses what does not fit."""
+    mgpu = paged_attention_mgpu
+    assert mgpu.default_warpgroups(8 * 256, 8, 4, 128, 2048) == 2     # prefill chunks of 256, G = 4
+    assert mgpu.default_warpgroups(64, 64, 4, 128, 2048) == 1         # a decode batch
+    assert mgpu.default_warpgroups(64, 2, 4, 128, 2048) == 2          # 32 tokens each: one 128-row item
+    assert mgpu.default_warpgroups(60, 2, 4, 128, 2048) == 1
+    assert mgpu.default_warpgroups(512, 4, 1, 256, 300) == 2          # Gemma 3 270M: head size 256
+    assert mgpu.default_warpgroups(512, 4, 1, 256, 300, kv_itemsize=1) == 1  # fp8: bf16 copies outgrow it
+    assert mgpu.smem_bytes(256, 300, 1, 2) > mgpu.SMEM_BYTES >= mgpu.smem_bytes(256, 300, 1, 1)
+    q, pages = jnp.zeros((64, 4, 256), jnp.bfloat16), jnp.zeros((9, 2, 1, 16, 256), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="two warpgroups"):
+        mgpu.paged_attention(q, pages, jnp.zeros((2, 300), jnp.int32), jnp.array([0, 32, 64]),
+                             jnp.array([32, 32]), AttentionParams(), warpgroups=2)
+    with pytest.raises(ValueError, match="warpgroups must be 1 or 2"):
+        mgpu.paged_attention(q, pages, jnp.zeros((2, 8), jnp.int32), jnp.array([0, 32, 64]),
+                             jnp.array([32, 32]), AttentionParams(), warpgroups=3)
+
+
+@pytest.mark.parametrize("warpgroups,dtype", [(1, jnp.bfloat16), (2, jnp.bfloat16), (1, jnp.float8_e4m3fn)])
+def test_the_widest_table_supports_takes_lowers_within_shared_memory(warpgroups, dtype):
+    """``smem_bytes`` bounds Mosaic GPU's own count (alignment included), whose lowering refuses a kernel past
+    an H100/H200's 227 KiB: at head size 256, the widest table that fits by our count lowers."""
+    mgpu = paged_attention_mgpu
+    itemsize = jnp.dtype(dtype).itemsize
+    width = max(w for w in range(64, 16385, 64) if mgpu.smem_bytes(256, w, itemsize, warpgroups) <= mgpu.SMEM_BYTES)
+    assert mgpu.smem_bytes(256, width + 64, itemsize, warpgroups) > mgpu.SMEM_BYTES
+    args = (sd((64, 4, 256), jnp.bfloat16), sd((N, 2, 1, 16, 256), dtype), sd((2, width), jnp.int32),
+            sd((3,), jnp.int32), sd((2,), jnp.int32))
+    text = lower_for(H200, lambda *a: mgpu.paged_attention(*a, AttentionParams(), splits=1, warpgroups=warpgroups),
+                     *args)
     assert "mosaic_gpu" in text
 
 
