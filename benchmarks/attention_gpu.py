@@ -124,8 +124,8 @@ def mosaic_form(batch: int, q_per_seq: int, context: int, page: int, warpgroups:
     picks them (``warpgroups``: given, else its default for the case)."""
     tokens, blocks = batch * q_per_seq, -(-context // page)
     if warpgroups is None:
-        warpgroups = paged_attention_mgpu.default_warpgroups(tokens, batch, Q_HEADS // KV_HEADS, HEAD, blocks,
-                                                             jnp.dtype(kv_dtype).itemsize)
+        warpgroups = paged_attention_mgpu.default_warpgroups(tokens, batch, Q_HEADS, (0, 2, KV_HEADS, page, HEAD),
+                                                             kv_dtype, blocks)
     block_q = warpgroups * paged_attention_mgpu.ROWS // (Q_HEADS // KV_HEADS)
     items = -(-tokens // block_q) + batch
     return {"splits": paged_attention_mgpu.default_splits(min(items, tokens), KV_HEADS, blocks * page),

@@ -77,6 +77,7 @@ SMEM_BYTES = 232448  # an H100/H200 block's shared memory (227 KiB)
 SMEM_ALIGNMENT = 6 * 1024
 HOPPER_SMS = 132  # an H100 SXM's or H200's streaming multiprocessors, where the device does not say
 MAX_SPLITS = 32  # more runs than this add partial outputs faster than they shorten a run
+FILL = 0.9  # two-warpgroup programs (one an SM) must keep this share of the SMs busy
 # A block-table row sits in shared memory as [rows, TABLE_COLS]: one TMA copy moves at most 256 entries
 # along each dimension, and a long context's row is longer than that.
 TABLE_COLS = 64
@@ -130,13 +131,22 @@ def supports(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: in
     return YES
 
 
-def default_warpgroups(num_tokens: int, num_seqs: int, group: int, head_size: int, max_blocks: int,
-                       kv_itemsize: int = 2) -> int:
+def default_warpgroups(num_tokens: int, num_seqs: int, num_q_heads: int, kv_pages_shape: tuple[int, ...], kv_dtype,
+                       max_blocks: int, sms: int | None = None) -> int:
     """Warpgroups per program (each 64 query rows of one item): 2 where the batch's sequences average
-    enough query tokens to fill a 128-row item (``128 / group`` tokens: prefill chunks) and shared memory
-    holds two, else 1 (decode steps, where an item's second warpgroup would have no rows)."""
-    wide = num_tokens >= num_seqs * (2 * ROWS // group)
-    return 2 if wide and smem_bytes(head_size, max_blocks, kv_itemsize, 2) <= SMEM_BYTES else 1
+    enough query tokens to fill a 128-row item (``128 / G`` tokens: prefill chunks), two fit in shared
+    memory, and their programs, one an SM at that size, context split as ``default_splits`` splits it,
+    still fill ``FILL`` of the ``sms`` (``sm_count()``); else 1 (decode steps, where an item's second
+    warpgroup would have no rows, and small prefills, which one-warpgroup programs spread wider)."""
+    _, _, hkv, bs, d = kv_pages_shape
+    block_q = 2 * ROWS // (num_q_heads // hkv)
+    if (num_tokens < num_seqs * block_q
+            or smem_bytes(d, max_blocks, jnp.dtype(kv_dtype).itemsize, 2) > SMEM_BYTES):
+        return 1
+    sms = sm_count() if sms is None else sms
+    items = min(ragged.cdiv(num_tokens, block_q) + num_seqs, num_tokens)  # at most one busy item a token
+    programs = items * hkv * default_splits(items, hkv, max_blocks * bs, sms)
+    return 2 if programs >= FILL * sms else 1
 
 
 def sm_count() -> int:
@@ -407,8 +417,8 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
         raise ValueError(f"Mosaic GPU paged attention does not take {support.reason}")
     group = hq // hkv
     if warpgroups is None:
-        warpgroups = 1 if interpret else default_warpgroups(num_tokens, query_start_loc.shape[0] - 1, group, d,
-                                                            max_blocks, itemsize)
+        warpgroups = 1 if interpret else default_warpgroups(num_tokens, query_start_loc.shape[0] - 1, hq,
+                                                            kv_pages.shape, kv_pages.dtype, max_blocks)
     if warpgroups not in (1, 2):
         raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups}")
     if smem_bytes(d, max_blocks, itemsize, warpgroups) > SMEM_BYTES:

@@ -144,14 +144,21 @@ def test_a_lone_decode_splits_its_context_over_the_h200s_sms_and_lowers():
 
 def test_prefill_batches_take_two_warpgroups_a_program_and_decode_batches_one():
     """``default_warpgroups``: 2 where the sequences average enough query tokens to fill 128-row items
-    (``128 / G`` tokens) and two fit in shared memory, else 1; the wrapper refuses what does not fit."""
-    mgpu = paged_attention_mgpu
-    assert mgpu.default_warpgroups(8 * 256, 8, 4, 128, 2048) == 2     # prefill chunks of 256, G = 4
-    assert mgpu.default_warpgroups(64, 64, 4, 128, 2048) == 1         # a decode batch
-    assert mgpu.default_warpgroups(64, 2, 4, 128, 2048) == 2          # 32 tokens each: one 128-row item
-    assert mgpu.default_warpgroups(60, 2, 4, 128, 2048) == 1
-    assert mgpu.default_warpgroups(512, 4, 1, 256, 300) == 2          # Gemma 3 270M: head size 256
-    assert mgpu.default_warpgroups(512, 4, 1, 256, 300, kv_itemsize=1) == 1  # fp8: bf16 copies outgrow it
+    (``128 / G`` tokens), two fit in shared memory and their programs (context split) keep 90% of the SMs
+    busy, else 1; the wrapper refuses what does not fit."""
+    mgpu, bf16, fp8 = paged_attention_mgpu, jnp.bfloat16, jnp.float8_e4m3fn
+    llama = (N, 2, 8, 16, 128)  # 32 query heads: G = 4, 32 tokens an item
+
+    def pick(tokens, seqs, shape=llama, dtype=bf16, hq=32, blocks=2048):
+        return mgpu.default_warpgroups(tokens, seqs, hq, shape, dtype, blocks, sms=132)
+    assert pick(8 * 256, 8) == 2        # prefill chunks of 256 tokens at 32k: 72 items x 8 heads
+    assert pick(64, 64) == 1            # a decode batch
+    assert pick(256, 1) == 1            # one chunk: 9 items x 8 heads fill 72 of 132 SMs; 17 x 8 fill them
+    assert pick(16 * 32, 16) == 2       # 16 sequences of 32 tokens: one 128-row item each, 256 programs
+    assert pick(16 * 31, 16) == 1       # 31 tokens each: short of a 128-row item
+    gemma = (N, 2, 1, 16, 256)          # Gemma 3 270M: 4 query heads, one KV head of 256
+    assert pick(512, 1, gemma, hq=4, blocks=300) == 2        # 17 items, each split 7 ways
+    assert pick(512, 1, gemma, fp8, hq=4, blocks=300) == 1   # fp8: each warpgroup's bf16 copies outgrow it
     assert mgpu.smem_bytes(256, 300, 1, 2) > mgpu.SMEM_BYTES >= mgpu.smem_bytes(256, 300, 1, 1)
     q, pages = jnp.zeros((64, 4, 256), jnp.bfloat16), jnp.zeros((9, 2, 1, 16, 256), jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="two warpgroups"):
