@@ -4,10 +4,10 @@ Each case: B sequences of ``context`` tokens whose pages (``page`` tokens each) 
 ids; 8 kv heads, head size 128, bf16 KV (``--kv-dtype fp8``: e4m3 pages, half the bytes, bf16 queries),
 32 query heads. Decode: one query token per sequence.
 Prefill: the last ``--prefill-chunk`` tokens of each sequence are queries (a chunked-prefill step).
-Implementations: ``ours`` (``kernels_pallas.paged_attention``, ``impl=auto``: Mosaic GPU on Hopper),
-``mosaic_gpu`` (that kernel, its context split as ``auto`` splits it; the rows say into how many runs),
-``mosaic_gpu_nosplit`` (the same kernel without the split), for prefill ``mosaic_gpu_1wg`` (the same kernel
-with one warpgroup a program where ``auto`` gives prefill two), ``triton`` (the portable Pallas kernel),
+Implementations: ``ours`` (``kernels_pallas.paged_attention``, ``impl=auto``: Mosaic GPU on Hopper), for
+decode ``mosaic_gpu`` (that kernel, its context split as ``auto`` splits it; the rows say into how many runs)
+and ``mosaic_gpu_nosplit`` (without the split), for prefill ``mosaic_gpu_1wg`` and ``mosaic_gpu_2wg`` (one or
+two warpgroups a program, whichever ``auto`` picks; not ``--smoke``), ``triton`` (the portable Pallas kernel),
 ``xla`` (the jnp reference, compiled by XLA) and, for decode, ``jax``
 (``jax.experimental.pallas.ops.gpu.paged_attention``, fed its own head-major page layout). Every
 implementation is first checked against the reference on a small case. Bytes = K and V of every page a
@@ -76,12 +76,15 @@ def implementations(mode: str, smoke: bool, kv_dtype=DTYPE):
     impls = {"ours": paged("triton" if smoke else "auto"), "triton": paged("triton"),
              "xla": lambda *a: reference.paged_attention(*a, params)}
     if smoke or kernels_pallas.default_impl() == "mosaic_gpu":
-        impls["mosaic_gpu"] = paged("mosaic_gpu")
-        impls["mosaic_gpu_nosplit"] = lambda *a: paged_attention_mgpu.paged_attention(*a, params, interpret=smoke,
-                                                                                      splits=1)
-        if mode == "prefill":
-            impls["mosaic_gpu_1wg"] = lambda *a: paged_attention_mgpu.paged_attention(*a, params, interpret=smoke,
-                                                                                      warpgroups=1)
+        def mosaic(**kw):
+            return lambda *a: paged_attention_mgpu.paged_attention(*a, params, interpret=smoke, **kw)
+        if mode == "decode":
+            impls["mosaic_gpu"] = paged("mosaic_gpu")
+            impls["mosaic_gpu_nosplit"] = mosaic(splits=1)
+        else:  # "ours" runs the kernel as auto does; prefill cases fill the SMs without a split
+            impls["mosaic_gpu_1wg"] = mosaic(warpgroups=1)
+            if not smoke:  # interpreted, two warpgroups can starve each other on a small CPU (mgpu_warpgroups.py)
+                impls["mosaic_gpu_2wg"] = mosaic(warpgroups=2)
     if mode == "decode" and jnp.dtype(kv_dtype) == jnp.dtype(DTYPE):  # JAX's kernel reads q's dtype only
         try:
             impls["jax"] = jax_paged_attention(smoke)
@@ -210,10 +213,10 @@ def main(argv=None) -> int:
                                "time_us": round(us, 1), "bytes": nbytes, "bandwidth_gbs": round(bw / 1e9, 1),
                                "peak_fraction": round(bw / peak, 3) if peak else None,
                                "kv_dtype": kv_dtype.name, "device": dev.device_kind}
-                        if name.startswith("mosaic_gpu") or (name == "ours" and kernels_pallas.default_impl() ==
-                                                              "mosaic_gpu" and not a.smoke):
-                            row.update(mosaic_form(batch, q_per, context, page, 1 if name.endswith("1wg") or a.smoke
-                                                   else None, kv_dtype))
+                        if name.startswith("mosaic_gpu") or (name == "ours" and not a.smoke
+                                                              and kernels_pallas.default_impl() == "mosaic_gpu"):
+                            wgs = 1 if a.smoke or name.endswith("1wg") else 2 if name.endswith("2wg") else None
+                            row.update(mosaic_form(batch, q_per, context, page, wgs, kv_dtype))
                             row["splits"] = 1 if name.endswith("nosplit") else row["splits"]
                         if mode == "prefill":
                             row["tflops"] = round(prefill_flops(batch, context, q_per) / (us * 1e-6) / 1e12, 2)

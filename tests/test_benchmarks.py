@@ -51,6 +51,25 @@ def test_gpu_session_smoke_runs_every_step_and_writes_the_results_file(tmp_path)
     assert copy["blocks"] == 2 and copy["down_gb_per_s"] > 0 and copy["up_gb_per_s"] > 0
 
 
+def test_attention_gpu_prefill_smoke_checks_and_times_both_warpgroup_forms(capsys):
+    """``attention_gpu.py --smoke --mode prefill``: every implementation checked against the reference, then
+    timed with TFLOP/s; the Mosaic GPU rows say how they ran (interpret mode: one warpgroup)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import attention_gpu
+
+    assert attention_gpu.main(["--smoke", "--mode", "prefill", "--json"]) == 0
+    out = capsys.readouterr()
+    assert "WRONG" not in out.err and "cannot run" not in out.err, out.err[-2000:]
+    rows = [json.loads(line) for line in out.out.splitlines() if line.startswith("{")]
+    assert {r["impl"] for r in rows} == {"ours", "triton", "xla", "mosaic_gpu_1wg"}
+    assert all(r["mode"] == "prefill" and r["time_us"] > 0 and r["tflops"] >= 0 for r in rows)
+    assert all(r["warpgroups"] == 1 and r["splits"] >= 1 for r in rows if r["impl"].startswith("mosaic_gpu"))
+    # On an H200 (132 SMs, also assumed without a GPU) a batch of 8 prefill chunks takes two warpgroups a
+    # program, and a lone chunk, whose 9 items x 8 KV heads would leave 60 SMs idle, one.
+    assert attention_gpu.mosaic_form(8, 256, 32768, 16) == {"splits": 1, "warpgroups": 2}
+    assert attention_gpu.mosaic_form(1, 256, 4096, 16) == {"splits": 1, "warpgroups": 1}
+
+
 def test_gpu_results_joins_the_sessions_two_parts_and_names_the_device_that_measured(tmp_path):
     """Part 2 of ``gpu_session.sh`` (the projection) runs in a device call of its own: ``gpu_results.py`` takes
     both folders into one file, and part 2's folder alone still names its device. A wrong part is refused."""
