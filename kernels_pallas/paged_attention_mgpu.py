@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,18 @@ SMEM_ALIGNMENT = 6 * 1024
 HOPPER_SMS = 132  # an H100 SXM's or H200's streaming multiprocessors, where the device does not say
 MAX_SPLITS = 32  # more runs than this add partial outputs faster than they shorten a run
 FILL = 0.9  # two-warpgroup programs (one an SM) must keep this share of the SMs busy
+
+
+def _max_warpgroups() -> int:
+    """``HKV_MOSAIC_WARPGROUPS=1`` keeps ``default_warpgroups`` at one warpgroup a program (``gpu_session.sh``
+    sets it for its later steps on a GPU where the two-warpgroup form failed its check)."""
+    value = os.environ.get("HKV_MOSAIC_WARPGROUPS", "2")
+    if value not in ("1", "2"):
+        raise ValueError(f"HKV_MOSAIC_WARPGROUPS must be 1 or 2, got {value!r}")
+    return int(value)
+
+
+MAX_WARPGROUPS = _max_warpgroups()
 # A block-table row sits in shared memory as [rows, TABLE_COLS]: one TMA copy moves at most 256 entries
 # along each dimension, and a long context's row is longer than that.
 TABLE_COLS = 64
@@ -137,10 +150,11 @@ def default_warpgroups(num_tokens: int, num_seqs: int, num_q_heads: int, kv_page
     enough query tokens to fill a 128-row item (``128 / G`` tokens: prefill chunks), two fit in shared
     memory, and their programs, one an SM at that size, context split as ``default_splits`` splits it,
     still fill ``FILL`` of the ``sms`` (``sm_count()``); else 1 (decode steps, where an item's second
-    warpgroup would have no rows, and small prefills, which one-warpgroup programs spread wider)."""
+    warpgroup would have no rows, and small prefills, which one-warpgroup programs spread wider; and
+    always under ``HKV_MOSAIC_WARPGROUPS=1``)."""
     _, _, hkv, bs, d = kv_pages_shape
     block_q = 2 * ROWS // (num_q_heads // hkv)
-    if (num_tokens < num_seqs * block_q
+    if (MAX_WARPGROUPS < 2 or num_tokens < num_seqs * block_q
             or smem_bytes(d, max_blocks, jnp.dtype(kv_dtype).itemsize, 2) > SMEM_BYTES):
         return 1
     sms = sm_count() if sms is None else sms

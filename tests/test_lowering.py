@@ -142,7 +142,7 @@ def test_a_lone_decode_splits_its_context_over_the_h200s_sms_and_lowers():
     assert "mosaic_gpu" in text
 
 
-def test_prefill_batches_take_two_warpgroups_a_program_and_decode_batches_one():
+def test_prefill_batches_take_two_warpgroups_a_program_and_decode_batches_one(monkeypatch):
     """``default_warpgroups``: 2 where the sequences average enough query tokens to fill 128-row items
     (``128 / G`` tokens), two fit in shared memory and their programs (context split) keep 90% of the SMs
     busy, else 1; the wrapper refuses what does not fit."""
@@ -160,6 +160,14 @@ def test_prefill_batches_take_two_warpgroups_a_program_and_decode_batches_one():
     assert pick(512, 1, gemma, hq=4, blocks=300) == 2        # 17 items, each split 7 ways
     assert pick(512, 1, gemma, fp8, hq=4, blocks=300) == 1   # fp8: each warpgroup's bf16 copies outgrow it
     assert mgpu.smem_bytes(256, 300, 1, 2) > mgpu.SMEM_BYTES >= mgpu.smem_bytes(256, 300, 1, 1)
+    # HKV_MOSAIC_WARPGROUPS=1 (read at import) keeps one everywhere; another value is refused.
+    monkeypatch.setenv("HKV_MOSAIC_WARPGROUPS", "1")
+    monkeypatch.setattr(mgpu, "MAX_WARPGROUPS", mgpu._max_warpgroups())
+    assert pick(8 * 256, 8) == 1
+    monkeypatch.setenv("HKV_MOSAIC_WARPGROUPS", "4")
+    with pytest.raises(ValueError, match="HKV_MOSAIC_WARPGROUPS must be 1 or 2"):
+        mgpu._max_warpgroups()
+    monkeypatch.undo()
     q, pages = jnp.zeros((64, 4, 256), jnp.bfloat16), jnp.zeros((9, 2, 1, 16, 256), jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="two warpgroups"):
         mgpu.paged_attention(q, pages, jnp.zeros((2, 300), jnp.int32), jnp.array([0, 32, 64]),
