@@ -22,8 +22,9 @@ each walking the whole context. ``default_splits`` fills the SMs, and a
 sliding window's item still splits only the tiles of its window.
 
 Prefill (``warpgroups=2``): two warpgroups per program, each with its own 64 query
-rows of a 128-row item, walk the same K/V tiles: warpgroup 0 issues the copies,
-and a tile's slot is refilled once both have arrived on its ``consumed`` barrier.
+rows of a 128-row item, walk the same K/V tiles: warpgroup 0 issues the copies
+(and zeroes an edge tile's stale V rows, the other waiting on ``v_zeroed``), and a
+tile's slot is refilled once both have arrived on its ``consumed`` barrier.
 Each K/V tile then feeds twice the rows, so a prefill reads half the tiles into
 shared memory per query row (FlashAttention-2/3 give a program 128 query rows for
 the same reason). ``default_warpgroups`` picks 2 where a batch's sequences have
@@ -213,7 +214,7 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
     else:
         (o_ref, *refs), lse_ref = refs, None
     (meta_smem, rows_smem, bt_smem, q_smem, k_smem, v_smem, p_smem, row_smem, bars, own_bars, k_bars, v_bars,
-     consumed, *half) = refs
+     consumed, v_zeroed, *half) = refs
     fp8 = bool(half)  # fp8 pages: ``half`` holds each warpgroup's bf16 K and V tiles, which the wgmmas read
     item, h = jax.lax.axis_index("item"), jax.lax.axis_index("head")
     split = jax.lax.axis_index("split") if splits > 1 else 0
@@ -325,8 +326,19 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
             v_tile = v_smem.at[slot]
 
             @pl.when((t == tile_lo) | (t == tile_hi - 1))
-            def _():  # only the edge tiles can hold stale rows (both warpgroups write the same zeros)
-                v_smem[slot] = visible(plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA))
+            def _():  # only the edge tiles can hold stale rows: warpgroup 0 zeroes them, another waits for it
+                # (a barrier for each edge: nothing orders warpgroup 0's second arrival after the other's
+                # first wait, and a barrier two phases ahead of a waiter never releases it)
+                edge = v_zeroed.at[jnp.where(t == tile_lo, 0, 1)]
+
+                def zero():
+                    v_smem[slot] = visible(plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA))
+                    if warpgroups > 1:
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(edge)
+                leader(zero)
+                if warpgroups > 1:
+                    pl.when(wg != 0)(lambda: plgpu.barrier_wait(edge))
 
         # P goes through shared memory and into a fresh accumulator: the Mosaic GPU
         # interpreter takes wgmma operands from refs only (registers would save a trip).
@@ -409,7 +421,7 @@ def _combine(o: jax.Array, lse: jax.Array, sinks: jax.Array | None, items: ragge
 @functools.partial(jax.jit, static_argnames=("params", "interpret", "splits", "warpgroups"))
 def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
                     query_start_loc: jax.Array, seq_lens: jax.Array, params: AttentionParams,
-                    sinks: jax.Array | None = None, *, interpret: bool = False,
+                    sinks: jax.Array | None = None, *, interpret: bool | plgpu.InterpretGPUParams = False,
                     splits: int | None = None, warpgroups: int | None = None) -> jax.Array:
     """Ragged paged attention (shapes: ``reference.py``) with the Mosaic GPU kernel.
 
@@ -418,7 +430,8 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     ``default_warpgroups`` on a GPU, 1 in interpret mode: the interpreter runs each warpgroup on a thread
     of the CPU client's pool, and on a machine of few cores two of them can wait on each other's barriers
     while neither thread runs; ``tests/mgpu_warpgroups.py`` runs two with more CPU devices, hence threads).
-    ``interpret=True`` runs it in Mosaic GPU's interpreter on CPU. Raises
+    ``interpret=True`` runs it in Mosaic GPU's interpreter on CPU (``plgpu.InterpretGPUParams(...)``: with
+    those settings, e.g. ``detect_races=True``). Raises
     ``ValueError`` for shapes the kernel does not take (``supports``; with ``warpgroups=2``, also when two
     do not fit in shared memory), ``splits < 1`` or ``warpgroups`` other than 1 or 2.
     """
@@ -483,12 +496,13 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
             plgpu.Barrier(num_barriers=2 * (KEYS // chunk)),
             plgpu.Barrier(num_barriers=2 * (KEYS // chunk)),
             plgpu.Barrier(num_arrivals=warpgroups, num_barriers=2),  # a K/V slot read by every warpgroup
+            plgpu.Barrier(num_barriers=2),  # the first and the last tile's stale V rows zeroed (by warpgroup 0)
             *half,
         ],
         grid=(n, hkv) if splits == 1 else (n, hkv, splits),
         grid_names=("item", "head") if splits == 1 else ("item", "head", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=(plgpu.InterpretGPUParams() if interpret is True else interpret) or None,
         **threads,
     )
     meta = jnp.pad(scalars, ((0, 0), (0, 8 - META)))  # 32-byte rows for TMA
