@@ -28,7 +28,7 @@ SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck
 passed = []
 
 
-@settings(max_examples=5, **SETTINGS)
+@settings(max_examples=3, **SETTINGS)
 @given(cases(block_sizes=(16, 48, 64), groups=(1, 2, 4, 8), head_sizes=(64, 128), dtypes=("bfloat16", "float16")))
 def half_pages(case):
     """bf16/fp16 pages: 128-row items whole and split over the context (sinks, soft cap, windows, chunks,
@@ -38,7 +38,7 @@ def half_pages(case):
     passed.append(case)
 
 
-@settings(max_examples=2, **SETTINGS)
+@settings(max_examples=1, **SETTINGS)
 @given(cases(block_sizes=(16, 32), groups=(2, 4), head_sizes=(64,), dtypes=("bfloat16",),
              kv_dtype="float8_e4m3fn"))
 def fp8_pages(case):
