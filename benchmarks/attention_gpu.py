@@ -121,18 +121,12 @@ def jax_blocking(pages_per_seq: int, page: int) -> tuple[int, int]:
     return per_block, max(d for d in range(1, 17) if blocks % d == 0)
 
 
-def mosaic_form(batch: int, q_per_seq: int, context: int, page: int, warpgroups: int | None = None,
-                kv_dtype=DTYPE) -> dict:
-    """``{"splits", "warpgroups"}``: how the Mosaic GPU kernel runs a case when ``paged_attention_mgpu``
-    picks them (``warpgroups``: given, else its default for the case)."""
-    tokens, blocks = batch * q_per_seq, -(-context // page)
-    if warpgroups is None:
-        warpgroups = paged_attention_mgpu.default_warpgroups(tokens, batch, Q_HEADS, (0, 2, KV_HEADS, page, HEAD),
-                                                             kv_dtype, blocks)
-    block_q = warpgroups * paged_attention_mgpu.ROWS // (Q_HEADS // KV_HEADS)
-    items = -(-tokens // block_q) + batch
-    return {"splits": paged_attention_mgpu.default_splits(min(items, tokens), KV_HEADS, blocks * page),
-            "warpgroups": warpgroups}
+def mosaic_form(batch: int, q_per_seq: int, context: int, page: int, kv_dtype=DTYPE, **given) -> dict:
+    """``{"warpgroups", "splits"}``: how the Mosaic GPU kernel runs a case (``paged_attention_mgpu.launch``:
+    ``given`` ones, else its defaults)."""
+    wgs, splits = paged_attention_mgpu.launch(batch * q_per_seq, batch, Q_HEADS, (0, 2, KV_HEADS, page, HEAD),
+                                              kv_dtype, -(-context // page), **given)
+    return {"warpgroups": wgs, "splits": splits}
 
 
 def prefill_flops(batch: int, context: int, q_per_seq: int) -> int:
@@ -216,8 +210,8 @@ def main(argv=None) -> int:
                         if name.startswith("mosaic_gpu") or (name == "ours" and not a.smoke
                                                               and kernels_pallas.default_impl() == "mosaic_gpu"):
                             wgs = 1 if a.smoke or name.endswith("1wg") else 2 if name.endswith("2wg") else None
-                            row.update(mosaic_form(batch, q_per, context, page, wgs, kv_dtype))
-                            row["splits"] = 1 if name.endswith("nosplit") else row["splits"]
+                            row.update(mosaic_form(batch, q_per, context, page, kv_dtype, warpgroups=wgs,
+                                                   splits=1 if name.endswith("nosplit") else None))
                         if mode == "prefill":
                             row["tflops"] = round(prefill_flops(batch, context, q_per) / (us * 1e-6) / 1e12, 2)
                         if a.json:

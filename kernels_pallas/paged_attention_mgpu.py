@@ -145,6 +145,14 @@ def supports(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: in
     return YES
 
 
+def _item_splits(num_tokens: int, num_seqs: int, hkv: int, block_q: int, max_keys: int,
+                 sms: int | None) -> tuple[int, int]:
+    """(busy items, ``default_splits``) of a call whose items hold ``block_q`` query tokens: each sequence
+    wastes at most one partial item (``ragged.work_items``), and at most one item a token is busy."""
+    items = min(ragged.cdiv(num_tokens, block_q) + num_seqs, num_tokens)
+    return items, default_splits(items, hkv, max_keys, sms)
+
+
 def default_warpgroups(num_tokens: int, num_seqs: int, num_q_heads: int, kv_pages_shape: tuple[int, ...], kv_dtype,
                        max_blocks: int, sms: int | None = None) -> int:
     """Warpgroups per program (each 64 query rows of one item): 2 where the batch's sequences average
@@ -159,9 +167,30 @@ def default_warpgroups(num_tokens: int, num_seqs: int, num_q_heads: int, kv_page
             or smem_bytes(d, max_blocks, jnp.dtype(kv_dtype).itemsize, 2) > SMEM_BYTES):
         return 1
     sms = sm_count() if sms is None else sms
-    items = min(ragged.cdiv(num_tokens, block_q) + num_seqs, num_tokens)  # at most one busy item a token
-    programs = items * hkv * default_splits(items, hkv, max_blocks * bs, sms)
-    return 2 if programs >= FILL * sms else 1
+    items, splits = _item_splits(num_tokens, num_seqs, hkv, block_q, max_blocks * bs, sms)
+    return 2 if items * hkv * splits >= FILL * sms else 1
+
+
+def launch(num_tokens: int, num_seqs: int, num_q_heads: int, kv_pages_shape: tuple[int, ...], kv_dtype,
+           max_blocks: int, *, warpgroups: int | None = None, splits: int | None = None) -> tuple[int, int]:
+    """``(warpgroups, splits)`` a call of these shapes runs with: each given, else its default on this GPU
+    (``default_warpgroups``, then ``default_splits`` for the items of that size). Raises ``ValueError`` for
+    ``warpgroups`` other than 1 or 2, two that do not fit in shared memory, or ``splits < 1``."""
+    _, _, hkv, bs, d = kv_pages_shape
+    if warpgroups is None:
+        warpgroups = default_warpgroups(num_tokens, num_seqs, num_q_heads, kv_pages_shape, kv_dtype, max_blocks)
+    if warpgroups not in (1, 2):
+        raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups}")
+    need = smem_bytes(d, max_blocks, jnp.dtype(kv_dtype).itemsize, warpgroups)
+    if need > SMEM_BYTES:
+        raise ValueError(f"two warpgroups of head_size {d} with {max_blocks} table columns do not fit in shared "
+                         f"memory ({need} bytes)")
+    if splits is None:
+        block_q = warpgroups * ROWS // (num_q_heads // hkv)
+        splits = _item_splits(num_tokens, num_seqs, hkv, block_q, max_blocks * bs, None)[1]
+    if splits < 1:
+        raise ValueError(f"splits must be at least 1, got {splits}")
+    return warpgroups, splits
 
 
 def sm_count() -> int:
@@ -438,27 +467,17 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     num_tokens, hq, d = q.shape
     _, _, hkv, bs, _ = kv_pages.shape
     S, max_blocks = block_tables.shape
-    itemsize = jnp.dtype(kv_pages.dtype).itemsize
     support = supports(q.dtype, kv_pages.shape, kv_pages.dtype, hq, max_blocks)
     if not support:
         raise ValueError(f"Mosaic GPU paged attention does not take {support.reason}")
     group = hq // hkv
-    if warpgroups is None:
-        warpgroups = 1 if interpret else default_warpgroups(num_tokens, query_start_loc.shape[0] - 1, hq,
-                                                            kv_pages.shape, kv_pages.dtype, max_blocks)
-    if warpgroups not in (1, 2):
-        raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups}")
-    if smem_bytes(d, max_blocks, itemsize, warpgroups) > SMEM_BYTES:
-        raise ValueError(f"two warpgroups of head_size {d} with {max_blocks} table columns do not fit in shared "
-                         f"memory ({smem_bytes(d, max_blocks, itemsize, warpgroups)} bytes)")
+    warpgroups, splits = launch(num_tokens, query_start_loc.shape[0] - 1, hq, kv_pages.shape, kv_pages.dtype,
+                                max_blocks, warpgroups=1 if interpret and warpgroups is None else warpgroups,
+                                splits=splits)
     rows_per_item = warpgroups * ROWS
     block_q = rows_per_item // group
     items = ragged.work_items(query_start_loc, num_tokens, block_q)
     n = items.seq.shape[0]
-    if splits is None:  # at most one busy item per query token
-        splits = default_splits(min(n, num_tokens), hkv, max_blocks * bs)
-    if splits < 1:
-        raise ValueError(f"splits must be at least 1, got {splits}")
     scalars, rows = _item_metadata(items, query_start_loc.astype(jnp.int32),
                                    seq_lens.astype(jnp.int32), block_q, params, group, warpgroups)
     # [I, block_q, Hkv, G, D] -> [I, Hkv, rows, D]: one contiguous Q tile per warpgroup.
