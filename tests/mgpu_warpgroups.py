@@ -28,7 +28,7 @@ SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck
 passed = []
 
 
-@settings(max_examples=3, **SETTINGS)
+@settings(max_examples=2, **SETTINGS)
 @given(cases(block_sizes=(16, 48, 64), groups=(1, 2, 4, 8), head_sizes=(64, 128), dtypes=("bfloat16", "float16")))
 def half_pages(case):
     """bf16/fp16 pages: 128-row items whole and split over the context (sinks, soft cap, windows, chunks,
