@@ -20,7 +20,7 @@ from hkv_jax.models.tiny import TinyConfig, TinyLM
 # min-waste policy) with a sliding-window layer and a full one; window-aware eviction on; a pool small
 # enough to preempt and evict. Chunked local attention: the allocator's batched steps are checked on it
 # (test_decode_step, test_prefill_batch) and the engine against the dense model (test_engine). Two
-# engine compilations here.
+# engine compilations here; test_host_tier.py serves the model from a host tier.
 HYBRID = {**resolve_model("tiny-jamba")[1], "sliding_window": 16,
           "layer_types": ["sliding_attention", "mamba", "full_attention", "mamba"]}
 RUNS = {"sliding+mamba+full": (HYBRID, "min-waste", 40, True)}

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from flax import nnx
 from test_engine import dense_greedy, tiny
+from test_engine_paths import HYBRID
 
 from hkv_jax.allocator import host_tier
 from hkv_jax.allocator.free_queue import queue_order
 from hkv_jax.engine import Engine, EngineConfig
+from hkv_jax.models.tiny import TinyConfig, TinyLM
 
 MAX_LEN = 128
 
@@ -25,16 +28,18 @@ def serve_one(eng: Engine, prompt: list[int], new: int) -> tuple[list[int], list
     return eng.requests[rid].generated, logits, eng.host_usage().hit_tokens - hits
 
 
-# A device pool of 43 blocks holds about one 70-token request of tiny-gemma3's six groups (8-token blocks):
-# serving four of them evicts the earlier ones, so the second round's hits come from the host. The second
-# round repeats the prompts (the window before the prompt's end went down as it was computed; the release
-# superseded it, but it stays until room is needed) and then continues the first conversation (the window
-# before its end went down when it was released).
-@pytest.mark.parametrize("name,policy", [("tiny-gemma3", "vllm"), ("tiny-jamba", "min-waste")])
-def test_hits_from_the_host_give_the_dense_models_tokens(name, policy, tmp_path):
-    model = tiny(name)
+# One engine of the three kinds of group: a 16-token sliding window, Mamba-2 states (spanning 2 pages under
+# min-waste) and full attention (test_engine_paths.HYBRID). A device pool of 43 blocks holds about one 70-token
+# request of its groups (8-token blocks): serving four of them evicts the earlier ones, so the second round's
+# hits come from the host. The second round repeats the prompts (the window, or state, before the prompt's end
+# went down as it was computed; the release superseded it, but it stays until room is needed) and then
+# continues the first conversation (the window before its end went down when it was released).
+def test_hits_from_the_host_give_the_dense_models_tokens(tmp_path):
+    model = TinyLM(TinyConfig.from_hf(HYBRID), nnx.Rngs(0))
     eng = Engine(model, num_blocks=44, block_size=8, max_requests=2, max_model_len=MAX_LEN, token_budget=32,
-                 token_buckets=(32,), impl="reference", policy=policy, host_cache_bytes=1 << 20)
+                 token_buckets=(32,), impl="reference", policy="min-waste", host_cache_bytes=1 << 20)
+    assert {type(g.spec).__name__ for g in eng.layout.groups} == {"SlidingWindowSpec", "MambaSpec",
+                                                                   "FullAttentionSpec"}
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, 256, 70)] for _ in range(4)]
     first = [serve_one(eng, p, 4) for p in prompts]
