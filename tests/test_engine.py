@@ -75,11 +75,11 @@ GROUPED = {("tiny-gemma3", "vllm"), ("tiny-llama4", "vllm"), ("tiny-jamba", "min
 
 
 # Speculative decoding (n-gram drafts of 3 tokens): the same tokens and logits, with the drafts' slots taken
-# from the same small pool, on a tiny model of each kind of group (tiny-jamba: its Mamba states rewound to the
-# accepted token; tiny-gptoss, sliding window + full, on the reference attention, its interpret-mode kernels
-# being checked without drafts). tiny-gemma3's kinds are tiny-gptoss's: it speculates in test_speculative.py,
-# and Gemma 3 270M in test_gemma3.py.
-SPECULATIVE = {("tiny-gptoss", "vllm"), ("tiny-llama4", "vllm"), ("tiny-gemma4", "vllm"), ("tiny-jamba", "min-waste")}
+# from the same small pool, on the tiny models whose groups the other tests speculate on least: tiny-jamba (its
+# Mamba states rewound to the accepted token), tiny-llama4 (chunked local attention) and tiny-gemma4 (KV
+# sharing, two block sizes). Sliding window + full speculate in test_speculative.py (tiny-gemma3, against the
+# engine without drafts) and in test_gemma3.py (Gemma 3 270M, against transformers).
+SPECULATIVE = {("tiny-llama4", "vllm"), ("tiny-gemma4", "vllm"), ("tiny-jamba", "min-waste")}
 
 
 # fp8 pages (e4m3): tiny-gemma3 (sliding window + full) stores its K/V in float8_e4m3fn, its keys centred
