@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--decode-steps", type=int, default=4, help="decode steps per call (the engine's decode_steps)")
     p.add_argument("--calls", type=int, default=12, help="timed calls")
-    p.add_argument("--traced-calls", type=int, default=3)
+    p.add_argument("--traced-calls", type=int, help="calls traced after the timed ones (default 3; --smoke: 1)")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--trace", help="summarise this perfetto trace (*.trace.json.gz) instead of running")
     p.add_argument("--steps", type=int, help="with --trace: the decode steps the trace holds")
@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         row = summarise(device_events(read_trace(a.trace)), a.steps, a.top)
     else:
         if a.smoke:
-            a.config, a.batch, a.context, a.decode_steps, a.calls, a.traced_calls = "tiny-gptoss", 1, 40, 2, 3, 1
+            a.config, a.batch, a.context, a.decode_steps, a.calls = "tiny-gptoss", 1, 40, 2, 3
+        a.traced_calls = (1 if a.smoke else 3) if a.traced_calls is None else a.traced_calls
         if min(a.batch, a.context, a.decode_steps, a.calls) < 1 or a.traced_calls < 0:
             p.error("--batch, --context, --decode-steps and --calls must be positive, --traced-calls not negative")
         row = profile(a.config, a.batch, a.context, a.decode_steps, a.calls, a.traced_calls, a.top)

@@ -19,7 +19,7 @@ def test_gpu_session_smoke_runs_every_step_and_writes_the_results_file(tmp_path)
                           text=True, timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = (tmp_path / "steps.txt").read_text().splitlines()
-    assert len(steps) == 7 and all(": exit 0 after" in line for line in steps), steps
+    assert len(steps) == 6 and all(": exit 0 after" in line for line in steps), steps
     # attention_gpu.py checked and timed every implementation; the split kernel says into how many runs.
     log = (tmp_path / "attention_decode.jsonl.log").read_text()
     assert "WRONG" not in log and "cannot run" not in log, log[-2000:]
@@ -37,9 +37,8 @@ def test_gpu_session_smoke_runs_every_step_and_writes_the_results_file(tmp_path)
     assert len(by["attention_decode"]) == len(rows)
     [parity] = by["parity"]
     assert parity["tokens_equal"] == parity["requests"] == 2 and parity["all_freed"]
-    profile, graphs = by["decode_profile"]  # the second with the loops and conditionals in CUDA graphs
+    [profile] = by["decode_profile"]  # the smoke has no CUDA graphs step
     assert profile["config"] == "tiny-gptoss" and profile["step_ms"] > 0 and profile["gpu_busy_ms"] is None
-    assert graphs["step_ms"] > 0 and "+WHILE,+CONDITIONAL" in graphs["xla_flags"]
     [start] = by["startup"]
     assert 0 < start["warm_s"] and 0 < start["cold_s"]
     # gpu_hlo.py counted the decode program the cold profile dumped (XLA:CPU's here): a while loop's step.
