@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -46,13 +47,19 @@ def tiny(name: str, seed: int = 0, kv_dtype: str = "float32") -> TinyLM:
     return TinyLM(TinyConfig.from_hf(resolve_model(name)[1], kv_dtype=kv_dtype), nnx.Rngs(seed))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _dense(graph: nnx.GraphDef, weights: nnx.State, tokens: jax.Array) -> jax.Array:
+    return nnx.merge(graph, weights).dense(tokens)
+
+
 def dense_greedy(model: TinyLM, prompt: list[int], n: int,
                  max_len: int = MAX_LEN) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy tokens and their logits from the uncached model (padded to ``max_len`` tokens: one compile)."""
-    dense = jax.jit(model.dense)
+    """Greedy tokens and their logits from the uncached model (padded to ``max_len`` tokens, the weights an
+    argument: one compile per model shape and length, shared by a test's prompts)."""
+    graph, weights = nnx.split(model)
     toks, logits = list(prompt), []
     for _ in range(n):
-        row = np.asarray(dense(jnp.asarray(toks + [0] * (max_len - len(toks))))[len(toks) - 1])
+        row = np.asarray(_dense(graph, weights, jnp.asarray(toks + [0] * (max_len - len(toks))))[len(toks) - 1])
         logits.append(row)
         toks.append(int(row.argmax()))
     return toks[len(prompt):], logits
