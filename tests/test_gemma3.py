@@ -47,7 +47,7 @@ def _small_checkpoint(rng: np.random.Generator) -> dict[str, np.ndarray]:
     return out
 
 
-def test_safetensors_checkpoint_loads_by_name_and_serves_like_its_uncached_forward(tmp_path):
+def test_safetensors_checkpoint_loads_by_name(tmp_path):
     from safetensors.numpy import save_file
 
     weights = _small_checkpoint(np.random.default_rng(0))
@@ -65,8 +65,7 @@ def test_safetensors_checkpoint_loads_by_name_and_serves_like_its_uncached_forwa
     # One row's logits (its product padded to two rows: XLA:CPU's slow path) equal the first of two (causal).
     np.testing.assert_allclose(np.asarray(model.dense(jnp.asarray([5]))[0]),
                                np.asarray(model.dense(jnp.asarray([5, 7]))[0]), atol=1e-5, rtol=0)
-
-    _serves_like_its_uncached_forward(model, atol=1e-4)
+    # Served through the engine: this model int8 (below), Gemma 3 270M against transformers (the last test).
 
 
 def _serves_like_its_uncached_forward(model, atol: float):
