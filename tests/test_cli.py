@@ -228,7 +228,7 @@ def test_a_base_models_demo_continues_a_question_sheet_and_a_chat_models_takes_t
 
 def test_demo_serves_and_reports(capsys):
     # A pool where no run preempts (see below).
-    demo = ["demo", "--model", "tiny-gemma3", "--requests", "5", "--json", "--num-blocks", "400"]
+    demo = ["demo", "--model", "tiny-gptoss", "--requests", "5", "--json", "--num-blocks", "400"]
     assert main(demo) == 0
     out = capsys.readouterr()
     summary = json.loads(out.out)
