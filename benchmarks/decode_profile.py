@@ -11,7 +11,12 @@ steps each (the median per step after two warm calls), then records a profiler t
 - ``d2h_per_step`` and ``d2h_wait_us_median``: device-to-host copies per step (each conditional's and
   the loop's predicate, unless XLA runs them in a CUDA graph; a call's reports) and the median time the
   device then sits idle;
-- ``top``: the kernels with the most device time (name, calls per step, microseconds per step).
+- ``top``: the kernels with the most device time (name, calls per step, microseconds per step);
+- ``setup_s``: building the model and engine, compiling and prefilling: the start to the first token. The
+  pool holds each request's blocks and, beside a sliding window or local chunk, a step's chunk of the prompt
+  (``gpu_projection.blocks_per_request``), so the prompt prefills in ``prefill_steps`` steps of the token
+  budget. (Over a pool of the windows alone, the scheduler cuts a long prompt into steps that fit them:
+  Gemma 3 270M's 1k prompt then takes 25 steps, and its last token one more step program.)
 
 ``--traced-calls 0`` records no trace: the wall time alone (kernels that run inside XLA's CUDA graphs lose
 their names in a trace); ``xla_flags`` keeps the ``XLA_FLAGS`` the run had. On
@@ -86,12 +91,13 @@ def profile(config: str, batch: int, context: int, decode_steps: int, calls: int
     """The row for one configuration, on this machine's device."""
     t0 = time.perf_counter()
     eng = decode_engine(config, batch, context, decode_steps, calls + traced_calls)
-    setup = time.perf_counter() - t0
-    print(f"# {config} B={batch} ctx={context}: engine built, compiled and prefilled in {setup:.1f} s",
-          file=sys.stderr, flush=True)
+    setup, prefill_steps = time.perf_counter() - t0, eng.stats.steps
+    print(f"# {config} B={batch} ctx={context}: engine built, compiled and prefilled ({prefill_steps} steps, "
+          f"programs {sorted(eng.stats.bucket_steps)}) in {setup:.1f} s", file=sys.stderr, flush=True)
     times = timed_decode_calls(eng, calls, decode_steps)
     row = {"bench": "decode_profile", "config": config, "batch": batch, "context": context,
            "decode_steps": decode_steps, "device": jax.devices()[0].device_kind, "setup_s": round(setup, 1),
+           "prefill_steps": prefill_steps,
            "xla_flags": os.environ.get("XLA_FLAGS") or None,
            "step_ms": round(statistics.median(times[2:] or times) * 1e3, 3), "gpu_busy_ms": None,
            "kernels_per_step": None, "d2h_per_step": None, "d2h_wait_us_median": None, "top": []}
@@ -120,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--trace", help="summarise this perfetto trace (*.trace.json.gz) instead of running")
     p.add_argument("--steps", type=int, help="with --trace: the decode steps the trace holds")
-    p.add_argument("--smoke", action="store_true", help="tiny-gptoss, B=1, 40 tokens, 3 calls (CI on CPU)")
+    p.add_argument("--smoke", action="store_true", help="tiny-gptoss, B=1, 100 tokens, 3 calls (CI on CPU)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.trace:
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         row = summarise(device_events(read_trace(a.trace)), a.steps, a.top)
     else:
         if a.smoke:
-            a.config, a.batch, a.context, a.decode_steps, a.calls = "tiny-gptoss", 1, 40, 2, 3
+            a.config, a.batch, a.context, a.decode_steps, a.calls = "tiny-gptoss", 1, 100, 2, 3
         a.traced_calls = (1 if a.smoke else 3) if a.traced_calls is None else a.traced_calls
         if min(a.batch, a.context, a.decode_steps, a.calls) < 1 or a.traced_calls < 0:
             p.error("--batch, --context, --decode-steps and --calls must be positive, --traced-calls not negative")

@@ -99,17 +99,19 @@ def build_model(name: str):
     return cfg, nnx.eval_shape(lambda: TinyLM(cfg, nnx.Rngs(0)))
 
 
-def blocks_per_request(config: KVCacheConfig, context: int) -> int:
-    """Blocks one request of ``context`` tokens holds across the groups (each type's rule)."""
+def blocks_per_request(config: KVCacheConfig, context: int, chunk: int = 1) -> int:
+    """Blocks one request of ``context`` tokens holds across the groups (each type's rule), while a step
+    computes ``chunk`` of its tokens: a sliding window or local chunk then also holds the chunk's blocks
+    (with fewer, the scheduler cuts a long prompt into many small steps)."""
     total = 0
     for g in config.groups:
         bs, spec = g.block_size, g.spec
         if isinstance(spec, MambaSpec):
             n = 2 * g.blocks_per_state
         elif isinstance(spec, SlidingWindowSpec):
-            n = min(cdiv(context, bs), cdiv(spec.sliding_window, bs) + 1)
+            n = min(cdiv(context, bs), cdiv(spec.sliding_window + chunk - 1, bs) + 1)
         elif isinstance(spec, ChunkedLocalSpec):
-            n = min(cdiv(context, bs), cdiv(spec.attention_chunk_size, bs) + 1)
+            n = min(cdiv(context, bs), cdiv(spec.attention_chunk_size + chunk - 1, bs) + 1)
         else:
             n = cdiv(context, bs)
         total += n
@@ -219,8 +221,10 @@ def decode_engine(name: str, batch: int, context: int, decode_steps: int, decode
     new_tokens = decode_steps * (decode_calls + 2)
     max_len = context + 2 * BLOCK_SIZE + new_tokens
     probe = plan(cfg.layers, block_size=BLOCK_SIZE, policy="vllm", num_blocks=2)
-    eng = Engine(model, num_blocks=batch * blocks_per_request(probe, max_len) + 1, block_size=BLOCK_SIZE,
-                 max_requests=batch, max_model_len=max_len, token_budget=max(batch, 512), decode_steps=decode_steps)
+    budget = max(batch, 512)
+    eng = Engine(model, num_blocks=batch * blocks_per_request(probe, max_len, cdiv(budget, batch)) + 1,
+                 block_size=BLOCK_SIZE, max_requests=batch, max_model_len=max_len, token_budget=budget,
+                 decode_steps=decode_steps)
     rng = np.random.default_rng(0)
     for _ in range(batch):
         eng.add_request(rng.integers(1, cfg.vocab_size, context - 1).tolist(),

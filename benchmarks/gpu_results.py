@@ -12,9 +12,9 @@ field:
   ``d2h_per_step``, ``d2h_wait_us_median``, ``xla_flags``,
   from ``decode_profile_cold.json``, and the step in XLA's CUDA graphs (wall time) from
   ``decode_profile_graphs.json``;
-- ``startup``: ``config``, ``cold_s``, ``warm_s``: the decode profile's setup (model, engine, compiles and the
-  prefill) in a fresh process with an empty compilation cache, and again with that cache filled
-  (``decode_profile_warm.json``);
+- ``startup``: ``config``, ``cold_s``, ``warm_s``, ``prefill_steps``: the decode profile's setup (model, engine,
+  compiles and the prefill, in ``prefill_steps`` steps) in a fresh process with an empty compilation cache, and
+  again with that cache filled (``decode_profile_warm.json``);
 - ``projection``: ``config``, ``batch``, ``context``, ``measured_ms``, ``projected_ms``, ``measured_on`` (the
   device), from ``projection.json`` (the session's part 2);
 - ``parity``: ``model``, ``policy``, ``requests``, ``tokens_equal``, ``max_logit_err``, from ``parity.jsonl``;
@@ -81,7 +81,7 @@ def collect(out: Path) -> tuple[list[dict], str | None]:
     rows.extend(_pick("decode_profile", r) for r in _json_lines(out / "decode_profile_graphs.json"))
     if cold:
         rows.append({"bench": "startup", "config": cold[0]["config"], "cold_s": cold[0]["setup_s"],
-                     "warm_s": warm[0]["setup_s"] if warm else None})
+                     "warm_s": warm[0]["setup_s"] if warm else None, "prefill_steps": cold[0].get("prefill_steps")})
     for r in _json_lines(out / "projection.json"):
         measured = [x for x in r.get("rows", []) if "measured_ms" in x]
         rows.extend(_pick("projection", x) for x in measured)
