@@ -100,22 +100,11 @@ def build_model(name: str):
 
 
 def blocks_per_request(config: KVCacheConfig, context: int, chunk: int = 1) -> int:
-    """Blocks one request of ``context`` tokens holds across the groups (each type's rule), while a step
-    computes ``chunk`` of its tokens: a sliding window or local chunk then also holds the chunk's blocks
-    (with fewer, the scheduler cuts a long prompt into many small steps)."""
-    total = 0
-    for g in config.groups:
-        bs, spec = g.block_size, g.spec
-        if isinstance(spec, MambaSpec):
-            n = 2 * g.blocks_per_state
-        elif isinstance(spec, SlidingWindowSpec):
-            n = min(cdiv(context, bs), cdiv(spec.sliding_window + chunk - 1, bs) + 1)
-        elif isinstance(spec, ChunkedLocalSpec):
-            n = min(cdiv(context, bs), cdiv(spec.attention_chunk_size + chunk - 1, bs) + 1)
-        else:
-            n = cdiv(context, bs)
-        total += n
-    return total
+    """Blocks one request of ``context`` tokens holds across the groups during a step that computes ``chunk``
+    of them (``KVCacheConfig.blocks_per_request``: a window or local chunk holds the chunk's blocks too, so
+    a prompt prefills in steps of that size), with two states for each Mamba group."""
+    return sum(2 * g.blocks_per_state if isinstance(g.spec, MambaSpec) else g.blocks_per_request(context, chunk)
+               for g in config.groups)
 
 
 def kv_traffic(config: KVCacheConfig, cfg: TinyConfig, batch: int, context: int) -> tuple[int, int]:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from hkv_jax.engine import Engine, SamplingParams
+from hkv_jax.engine import Engine, EngineConfig, SamplingParams
 from hkv_jax.engine.factory import SERVE_DEFAULTS, check_engine_fields, engine_config, engine_for
 from hkv_jax.engine.sampling_params import KNOBS
 from hkv_jax.models.pretrained import load_pretrained
@@ -27,7 +27,7 @@ GENERATE_DEFAULTS = {**SERVE_DEFAULTS, "token_budget": 256}
 @dataclass(frozen=True)
 class GenerateConfig:
     """What ``hkv generate`` runs. ``engine``: ``EngineConfig`` fields (``GENERATE_DEFAULTS`` for those left
-    out; the pool holds the one request, of the prompt plus ``max_new_tokens``)."""
+    out; the pool holds the one request, of the prompt plus ``max_new_tokens`` rounded up to whole blocks)."""
 
     model: str = "gemma-3-270m"
     max_new_tokens: int = 64
@@ -61,8 +61,11 @@ def generate(cfg: GenerateConfig, prompt: str, out: TextIO = sys.stdout, progres
     t0 = time.perf_counter()
     model, codec = load_pretrained(cfg.model, quantize=cfg.quantize, progress=progress)
     ids = codec.encode(gemma_chat([{"role": "user", "content": prompt}]) if cfg.chat else prompt)
-    config = engine_config(model, **{**GENERATE_DEFAULTS, **cfg.engine, "max_requests": 1,
-                                     "max_model_len": len(ids) + cfg.max_new_tokens})
+    fields = {**GENERATE_DEFAULTS, **cfg.engine, "max_requests": 1}
+    # Whole blocks: the engine takes no request shorter than one, and prompts of about the same length
+    # then share their compiled programs (the persistent compilation cache keys them by max_model_len).
+    block = fields.get("block_size", EngineConfig.block_size)
+    config = engine_config(model, **fields, max_model_len=-(-(len(ids) + cfg.max_new_tokens) // block) * block)
     engine = engine_for(model, codec, config, detokenize=codec.decode)
     rid = engine.add_request(ids, cfg.params(codec.eos_ids))
     load_s = time.perf_counter() - t0

@@ -86,9 +86,10 @@ class KVCacheGroup:
             return self.spec.state_bytes / self.blocks_per_state
         return self.spec.page_size_bytes(self.block_size)
 
-    def blocks_per_request(self, num_tokens: int) -> int:
-        """Blocks a decoding request of ``num_tokens`` tokens holds in this group (upper bound)."""
-        return self.spec.blocks_held(num_tokens, self.block_size, self.blocks_per_state)
+    def blocks_per_request(self, num_tokens: int, chunk: int = 1) -> int:
+        """Blocks a request of ``num_tokens`` tokens holds in this group (upper bound) during a step that
+        computes the last ``chunk`` of them (1: a decode step; ``spec.blocks_held``)."""
+        return self.spec.blocks_held(num_tokens, self.block_size, self.blocks_per_state, chunk)
 
 
 def merge_parts(parts: tuple[tuple[int, ...], ...], rows: list[list[int]]) -> list[list[int]]:
@@ -187,9 +188,10 @@ class KVCacheConfig:
         """vLLM's headline KV capacity: usable blocks split evenly over groups, in tokens."""
         return (self.num_blocks - 1) // len(self.groups) * self.block_size
 
-    def blocks_per_request(self, num_tokens: int) -> int:
-        """Blocks one decoding request of ``num_tokens`` tokens holds across all groups."""
-        return sum(g.blocks_per_request(num_tokens) for g in self.groups)
+    def blocks_per_request(self, num_tokens: int, chunk: int = 1) -> int:
+        """Blocks one request of ``num_tokens`` tokens holds across all groups during a step that computes
+        the last ``chunk`` of them (1: a decode step)."""
+        return sum(g.blocks_per_request(num_tokens, chunk) for g in self.groups)
 
     def max_concurrent_requests(self, num_tokens: int) -> int:
         """How many requests of ``num_tokens`` tokens fit in the pool at once."""

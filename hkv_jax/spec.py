@@ -98,9 +98,11 @@ class AttentionSpec:
         """The attention chunk (tokens see their aligned chunk only), if any."""
         return None
 
-    def blocks_held(self, num_tokens: int, block_size: int, blocks_per_state: int = 1) -> int:
-        """Blocks a decoding request of ``num_tokens`` tokens holds in a group of this layer (upper bound)."""
-        del blocks_per_state
+    def blocks_held(self, num_tokens: int, block_size: int, blocks_per_state: int = 1, chunk: int = 1) -> int:
+        """Blocks a request of ``num_tokens`` tokens holds in a group of this layer (upper bound) during a
+        step that computes the last ``chunk`` of them (1: a decode step; a prefill chunk holds more blocks
+        of a window or local chunk at once)."""
+        del blocks_per_state, chunk
         return -(-num_tokens // block_size)
 
     def as_full(self) -> "FullAttentionSpec":
@@ -140,10 +142,11 @@ class SlidingWindowSpec(AttentionSpec):
     def window(self) -> int:
         return self.sliding_window
 
-    def blocks_held(self, num_tokens: int, block_size: int, blocks_per_state: int = 1) -> int:
-        """The window's blocks, one more where it straddles a boundary."""
+    def blocks_held(self, num_tokens: int, block_size: int, blocks_per_state: int = 1, chunk: int = 1) -> int:
+        """The blocks of the step's first token's window through its last token (``window + chunk - 1``
+        tokens), one more where they straddle a boundary."""
         del blocks_per_state
-        return min(-(-num_tokens // block_size), -(-(self.sliding_window - 1) // block_size) + 1)
+        return min(-(-num_tokens // block_size), -(-(self.sliding_window + chunk - 2) // block_size) + 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,10 +164,11 @@ class ChunkedLocalSpec(AttentionSpec):
     def chunk(self) -> int:
         return self.attention_chunk_size
 
-    def blocks_held(self, num_tokens: int, block_size: int, blocks_per_state: int = 1) -> int:
-        """The current chunk's blocks, one more where it starts inside a block."""
+    def blocks_held(self, num_tokens: int, block_size: int, blocks_per_state: int = 1, chunk: int = 1) -> int:
+        """The blocks of the step's first token's attention chunk through its last token, one more where they
+        start inside a block."""
         del blocks_per_state
-        return min(-(-num_tokens // block_size), -(-self.attention_chunk_size // block_size) + 1)
+        return min(-(-num_tokens // block_size), -(-(self.attention_chunk_size + chunk - 1) // block_size) + 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,9 +219,9 @@ class MambaSpec:
         del block_size
         return self.state_bytes
 
-    def blocks_held(self, num_tokens: int, block_size: int, blocks_per_state: int = 1) -> int:
+    def blocks_held(self, num_tokens: int, block_size: int, blocks_per_state: int = 1, chunk: int = 1) -> int:
         """One state, whatever the tokens: ``blocks_per_state`` pages."""
-        del num_tokens, block_size
+        del num_tokens, block_size, chunk
         return blocks_per_state
 
     def as_full(self) -> "MambaSpec":

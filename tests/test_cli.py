@@ -304,7 +304,8 @@ def test_generate_and_demo_keep_compiled_programs_where_the_environment_says(mon
 def test_generate_streams_the_text_up_to_a_stop_string(monkeypatch):
     """``generate`` with a stop string prints the text before it and not a letter of it, though the string
     completes over three tokens (the stream holds back what might begin one); without stop strings the
-    same run streams all its text. A tiny model and a one-letter-per-token codec stand in for Gemma."""
+    same run streams all its text. A tiny model and a one-letter-per-token codec stand in for Gemma. The
+    prompt and the new tokens (14) fill less than a block: the engine is sized in whole blocks."""
     import io
     from dataclasses import replace
     from types import SimpleNamespace
@@ -322,11 +323,11 @@ def test_generate_streams_the_text_up_to_a_stop_string(monkeypatch):
     cfg = gen.GenerateConfig(max_new_tokens=12, chat=False, sampling={"temperature": 1.0},
                              engine={"seed": 3, "token_budget": 1})
     out = io.StringIO()
-    full = gen.generate(cfg, "a prompt", out=out, progress=False)
+    full = gen.generate(cfg, "hi", out=out, progress=False)
     text = full["text"]
     assert out.getvalue() == text + "\n" and len(text) == 12 and full["finish_reason"] == "length"
     at = next(i for i in range(2, len(text) - 3) if text.find(text[i:i + 3]) == i)  # first found at letter `at`
     out = io.StringIO()
-    got = gen.generate(replace(cfg, stop=("zzzz", text[at:at + 3])), "a prompt", out=out, progress=False)
+    got = gen.generate(replace(cfg, stop=("zzzz", text[at:at + 3])), "hi", out=out, progress=False)
     assert out.getvalue() == text[:at] + "\n" and got["text"] == text[:at] and got["finish_reason"] == "stop"
     assert got["generated"] == full["generated"][:at + 3]

@@ -630,6 +630,8 @@ def test_bad_requests_are_refused_with_clear_errors():
     # 5 sliding-window): a smaller pool is refused before anything compiles.
     with pytest.raises(ValueError, match="cannot hold one request of max_model_len 16 tokens: it needs 12 blocks"):
         Engine(model, num_blocks=12, block_size=8, max_requests=2, max_model_len=16)
+    with pytest.raises(ValueError, match="max_model_len 7 is under one block: a request must have room for at least 8"):
+        Engine(model, num_blocks=64, block_size=8, max_model_len=7)
     with pytest.raises(ValueError, match="token_budget must be a positive integer"):
         Engine(model, num_blocks=64, token_budget=0)
     for seconds in (0, -0.02, float("inf"), float("nan"), True, "0.02"):

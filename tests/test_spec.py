@@ -92,3 +92,39 @@ def test_each_layer_type_states_its_rules_and_the_allocator_finds_its_manager():
         assert rules.windowed == (spec.window is not None or spec.chunk is not None)
     with pytest.raises(ValueError, match="no allocator rules for layer type KVSharingSpec"):
         manager(sharing)
+
+
+@pytest.mark.parametrize("spec", [SlidingWindowSpec(name="l", num_kv_heads=1, head_size=8, sliding_window=w)
+                                  for w in (10, 16, 17)]
+                         + [ChunkedLocalSpec(name="l", num_kv_heads=1, head_size=8, attention_chunk_size=a)
+                            for a in (12, 16)]
+                         + [FullAttentionSpec(name="l", num_kv_heads=1, head_size=8)], ids=repr)
+def test_blocks_held_bounds_the_blocks_a_request_holds_during_a_step(spec):
+    """``blocks_held(n, bs, chunk=c)`` against the Python allocator: an 80-token prompt (beside a full
+    attention layer) prefilled in steps of ``c`` tokens after a first step of every length up to a block (so
+    that every alignment occurs) never holds more of the layer's blocks during a step than that step's bound;
+    and a sliding window's bound is reached where the window, not the tokens so far, sets it."""
+    from hkv_jax.allocator.pymodel import PyAllocator
+    from hkv_jax.planner import plan
+
+    n = 80
+    for bs in (4, 16):
+        full = FullAttentionSpec(name="f", num_kv_heads=1, head_size=8)
+        cfg = plan([full, spec] if spec.window or spec.chunk else [spec], block_size=bs, num_blocks=200)
+        g = next(i for i, group in enumerate(cfg.groups) if group.layer_names == ("l",))
+        for c in (1, 2, 3, 8, 16):
+            reached = False
+            for first in range(1, bs + 1):
+                alloc = PyAllocator(cfg, max_model_len=n)
+                alloc.add("r", list(range(1, n + 1)))
+                k = first
+                while alloc.requests["r"].num_computed < n:
+                    res = alloc.schedule("r", k, None)  # a local chunk's earlier blocks count as hit: fewer new
+                    assert res["ok"]
+                    k, done = res["num_new_tokens"], res["num_computed_tokens"]
+                    held = sum(b != 0 for b in alloc.requests["r"].tables[g])
+                    bound = spec.blocks_held(done, bs, chunk=k)
+                    assert held <= bound, (bs, c, first, done)
+                    reached |= k == c and held == bound < -(-done // bs)
+                    k = c
+            assert reached or spec.window is None, (bs, c)

@@ -59,6 +59,10 @@ class Engine:
         layers = with_kv_cache_dtype(model.cfg.layers, config.kv_cache_dtype)  # the cache's dtypes
         self.kv_cache_config = plan_cache(layers, block_size=config.block_size, policy=config.policy,
                                           num_blocks=config.num_blocks)
+        unit = self.kv_cache_config.hash_block_size
+        if config.max_model_len < unit:  # no block could ever fill, and the prefix cache's arrays would be empty
+            raise ValueError(f"max_model_len {config.max_model_len} is under one block: a request must have room "
+                             f"for at least {unit} tokens (the prefix cache's hash unit)")
         need = self.kv_cache_config.blocks_per_request(config.max_model_len)
         if config.num_blocks - 1 < need:
             raise ValueError(f"a pool of {config.num_blocks} blocks (null block included) cannot hold one request of "

@@ -83,9 +83,10 @@ def load_model(name: str, *, quantize: str | None = None, seed: int = 0, progres
 def pool_blocks(model, max_model_len: int, *, max_requests: int, block_size: int, token_budget: int,
                 policy: str = EngineConfig.policy) -> int:
     """Blocks (the null block included) of a pool that holds ``max_requests`` requests of ``max_model_len``
-    tokens, counting a sliding window's extra blocks during a prefill chunk of ``token_budget`` tokens."""
+    tokens, each with the blocks a sliding window or local chunk also holds during a prefill chunk of
+    ``token_budget`` tokens (so a long prompt prefills in steps of the token budget)."""
     kv = plan(model.cfg.layers, block_size=block_size, policy=policy, num_blocks=2)
-    return 1 + max_requests * kv.blocks_per_request(max_model_len + token_budget)
+    return 1 + max_requests * kv.blocks_per_request(max_model_len, chunk=min(token_budget, max_model_len))
 
 
 def engine_config(model, **fields) -> EngineConfig:
