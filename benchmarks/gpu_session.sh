@@ -30,6 +30,7 @@ case $part in 1|2|all) ;; *) echo "PART must be 1, 2 or all, got '$part'" >&2; e
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export JAX_COMPILATION_CACHE_DIR="$out/jax_cache"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0  # every program, as hkv's commands keep them
 smoke=${SMOKE:-}
 dump="--xla_dump_to=$out/hlo --xla_dump_hlo_module_re=decode_steps"  # the decode program's modules only
 graphs="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"  # no predicate read by the host (gpu_hlo.py)

@@ -285,13 +285,14 @@ def test_generate_and_demo_keep_compiled_programs_where_the_environment_says(mon
 
     from hkv_jax.cli import use_compilation_cache
 
-    before = jax.config.jax_compilation_cache_dir
+    before, min_seconds = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     monkeypatch.setenv("HKV_COMPILATION_CACHE", "")
     assert use_compilation_cache() is None and jax.config.jax_compilation_cache_dir == before
     try:
         monkeypatch.setenv("HKV_COMPILATION_CACHE", str(tmp_path))
         assert use_compilation_cache() == str(tmp_path) == jax.config.jax_compilation_cache_dir
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0  # the quick programs too
         monkeypatch.delenv("HKV_COMPILATION_CACHE")
         assert use_compilation_cache().endswith("hkv_jax/xla")
         monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/elsewhere")  # JAX's own setting is left alone
@@ -299,6 +300,7 @@ def test_generate_and_demo_keep_compiled_programs_where_the_environment_says(mon
         assert use_compilation_cache() == "/elsewhere" and jax.config.jax_compilation_cache_dir == before
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
 
 
 def test_generate_streams_the_text_up_to_a_stop_string(monkeypatch):
