@@ -92,16 +92,23 @@ def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_p=1.0, top_k=
     temperature = column(temperature, jnp.float32)
     hot = temperature[:, 0] > 0
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # The draw's values go into its conditional as the columns of one array (float32 ones as their bits):
+    # each operand of a conditional is a buffer of its own, and on a GPU every one that is a slice of
+    # another array (the step's plan) costs a kernel.
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    values = jnp.concatenate([temperature, column(top_p, jnp.float32), column(min_p, jnp.float32)], axis=1)
+    values = jnp.concatenate([bits(values)] + [column(x, jnp.int32) for x in (top_k, seed, position)], axis=1)
 
     def draw():
+        floats = jax.lax.bitcast_convert_type(values[:, :3], jnp.float32)
+        temperature, top_p, min_p = floats[:, 0:1], floats[:, 1:2], floats[:, 2:3]
+        k, seeds, positions = values[:, 3:4], values[:, 4], values[:, 5]
         scaled = logits / jnp.maximum(temperature, 1e-6)
-        k = column(top_k, jnp.int32)
-        seeds, positions = column(seed, jnp.int32)[:, 0], column(position, jnp.int32)[:, 0]
         own = _row_keys(seeds, jnp.uint32(_WEYL), positions)  # a seed's key: its seed and position only
         keys = jnp.where((seeds >= 0)[:, None], own, _row_keys(key[0], key[1], jnp.arange(B)))
         probs = jax.nn.softmax(scaled, axis=-1)
         # min-p and top-k keep a prefix of the tokens by likelihood (the first always): its length and mass.
-        floor = column(min_p, jnp.float32) * jnp.max(probs, axis=-1, keepdims=True)
+        floor = min_p * jnp.max(probs, axis=-1, keepdims=True)
         above = probs >= floor
         n_above = jnp.sum(above, axis=-1, keepdims=True)
         n_keep = jnp.maximum(jnp.where(k > 0, jnp.minimum(k, n_above), n_above), 1)
@@ -117,7 +124,7 @@ def sample(logits: jax.Array, key: jax.Array, temperature=0.0, top_p=1.0, top_k=
                              jnp.sum(jnp.where(above, probs, 0.0), axis=-1, keepdims=True))
             known = (n_keep <= n) | (n_keep == n_above)
             renorm = p / mass
-            kept &= jnp.cumsum(renorm, axis=-1) - renorm <= column(top_p, jnp.float32)
+            kept &= jnp.cumsum(renorm, axis=-1) - renorm <= top_p
             fits = known[:, 0] & ((n_keep[:, 0] <= n) | ~kept[:, -1])
             choice = jnp.argmax(jnp.where(kept, top + _gumbel(keys, order), -jnp.inf), axis=-1)
             return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32), fits

@@ -51,7 +51,7 @@ from hkv_jax.engine.changes import Changes
 from hkv_jax.engine.request import may_stop
 from hkv_jax.engine.sampler import bias_logits, penalize, sample, split_key
 from hkv_jax.engine.speculative import DraftModelStatic, NgramSpec, accepted_drafts, model_drafts, ngram_drafts
-from hkv_jax.engine.step_messages import DRAFT_COLUMNS, REPORT_ROWS, StepOutput, StepPlan
+from hkv_jax.engine.step_messages import REPORT_ROWS, StepOutput, StepPlan
 from hkv_jax.recurrent import commit_accepted
 from kernels_pallas.positions import query_positions
 
@@ -276,22 +276,29 @@ def _forward(static: StepStatic, params: list[jax.Array], state: EngineState, b:
     return model, logits, cache
 
 
-def _logits_processors(plan: StepPlan, alloc: AllocatorState, b: _Batch, per_row, positions, rows_sample,
-                       penalties, prompt_len, min_tokens):
+_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+_DRAW = ("temperature", "top_p", "top_k", "min_p", "seed")  # the sampling columns ``sample`` takes
+
+
+def _logits_processors(plan: StepPlan, alloc: AllocatorState, b: _Batch, columns, per_row, positions, rows_sample):
     """Stage 3: logit biases, then vLLM's penalties (their order there): ``(adjust, adjusted)``, whether any
     sampled row has any (``bool[R * P]``), and the function giving the scores the sampler then sees
-    (``logits`` and the log-probabilities stay raw)."""
-    bias = plan.logit_bias() if plan.bias_slots else None
-    if bias is not None:
-        bias = tuple(per_row(x) for x in bias)
+    (``logits`` and the log-probabilities stay raw). ``columns()``: the plan's sampling values per row."""
+    def bias():
+        return None if not plan.bias_slots else tuple(per_row(x) for x in plan.logit_bias())
 
     def adjusted(logits):
-        scores = logits if bias is None else bias_logits(logits, *bias, positions - prompt_len, min_tokens)
-        return penalize(scores, per_row(alloc.tokens[b.slot_of]), positions, prompt_len, *penalties)
+        values, entries = columns(), bias()
+        scores = logits if entries is None else bias_logits(logits, *entries, positions - values["prompt_len"],
+                                                             values["min_tokens"])
+        return penalize(scores, per_row(alloc.tokens[b.slot_of]), positions, values["prompt_len"],
+                        *(values[name] for name in _PENALTIES))
 
-    adjust = rows_sample & ((penalties[0] != 1) | (penalties[1] != 0) | (penalties[2] != 0))
-    if bias is not None:
-        adjust |= rows_sample & jnp.any(bias[0] >= 0, axis=1)
+    values, entries = columns(), bias()
+    repetition, presence, frequency = (values[name] for name in _PENALTIES)
+    adjust = rows_sample & ((repetition != 1) | (presence != 0) | (frequency != 0))
+    if entries is not None:
+        adjust |= rows_sample & jnp.any(entries[0] >= 0, axis=1)
     return adjust, adjusted
 
 
@@ -309,18 +316,18 @@ def _sample(static: StepStatic, state: EngineState, plan: StepPlan, alloc: Alloc
         return x if P == 1 else jnp.repeat(x, P, axis=0)
 
     positions = per_row(known) + (0 if P == 1 else jnp.tile(jnp.arange(P), R))
-    sampling = {name: per_row(v) for name, v in plan.sampling().items()}
-    penalties = [sampling.pop(name) for name in ("repetition_penalty", "presence_penalty", "frequency_penalty")]
-    prompt_len, min_tokens = sampling.pop("prompt_len"), sampling.pop("min_tokens")
-    for name in DRAFT_COLUMNS:
-        sampling.pop(name)
     rows_sample = (do_sample[:, None] & (jnp.arange(P)[None, :] <= b.count[:, None])).reshape(-1)
 
-    def draw(scores):
-        return sample(scores, sub, position=positions, **sampling)
+    def columns():
+        """The plan's sampling values per sampled row. Read inside each branch of the conditional below, so
+        that it takes the plan's one array: on a GPU each value passed in alone would be a kernel."""
+        return {name: per_row(v) for name, v in plan.sampling().items()}
 
-    adjust, adjusted = _logits_processors(plan, alloc, b, per_row, positions, rows_sample, penalties, prompt_len,
-                                          min_tokens)
+    def draw(scores):
+        values = columns()
+        return sample(scores, sub, position=positions, **{name: values[name] for name in _DRAW})
+
+    adjust, adjusted = _logits_processors(plan, alloc, b, columns, per_row, positions, rows_sample)
     # A step where no sampled row has any skips them: a conditional on the tokens, so that no [R, V] copy is
     # made. On a GPU it runs inside XLA's CUDA graph (no loop in its branches), with no read by the host.
     new_tokens = jax.lax.cond(jnp.any(adjust), lambda: draw(adjusted(logits)), lambda: draw(logits))

@@ -25,8 +25,6 @@ SAMPLING = tuple((k.name, k.dtype, k.neutral) for k in KNOBS) + (
     ("drafts", np.int32, 0),
     ("token_limit", np.int32, 0),
 )
-# The speculative columns (the sampler does not take them; ``_propose`` reads them).
-DRAFT_COLUMNS = ("drafts", "token_limit")
 
 
 @jax.tree_util.register_dataclass
