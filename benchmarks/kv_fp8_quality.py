@@ -171,7 +171,8 @@ def layer_errors(model, ids: list[int]) -> list[dict]:
 
     rows, x, positions = [], model._embed(jnp.asarray(ids)), jnp.arange(len(ids))
     for i, layer in enumerate(model.layers):
-        _, k, v = layer.self_attn._qkv(layer.input_layernorm(x), positions)
+        _, k, heads = layer.self_attn._qkv(layer.input_layernorm(x), positions)
+        v = heads[:, layer.self_attn.v_head:]
         row = {"layer": i}
         for name, t in (("k", np.asarray(k, np.float32)), ("v", np.asarray(v, np.float32))):
             rms, top = np.sqrt((t ** 2).mean()), float(np.abs(t).max())

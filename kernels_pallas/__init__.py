@@ -130,8 +130,11 @@ def paged_attention(q, kv_pages, block_tables, query_start_loc, seq_lens, params
     return paged_attention_portable.paged_attention(q, *args, interpret=interpret)
 
 
-def kv_write(kv_pages, k, v, slots, *, impl: str = "auto", interpret: bool = False):
-    """Store new K/V at their slots with the chosen implementation (see ``reference.kv_write``).
+def kv_write(kv_pages, k, v, slots, *, v_head: int = 0, impl: str = "auto", interpret: bool = False):
+    """Store new K/V at their slots with the chosen implementation (see ``reference.kv_write``). The values
+    are heads ``[v_head, v_head + Hkv)`` of the first ``T`` rows of ``v`` (``kv_write_portable.kv_write``):
+    a fused QKV product's output, which the Pallas write reads in place (a copy of its columns would be a
+    kernel of its own on a GPU).
 
     The Hopper path uses the portable Pallas write: a scatter of a few rows per
     token is bound by memory latency, not by the instructions that issue it.
@@ -143,10 +146,13 @@ def kv_write(kv_pages, k, v, slots, *, impl: str = "auto", interpret: bool = Fal
     else:
         kernel = impl in ("triton", "mosaic_gpu", "triton_interpret")
         interpret |= impl == "triton_interpret"
-    if kernel:  # saturated here: the kernel's store is a plain cast
-        k, v = (reference.to_page_dtype(x, kv_pages.dtype) for x in (k, v))
-        return kv_write_portable.kv_write(kv_pages, k, v, slots, interpret=interpret)
-    return reference.kv_write(kv_pages, k, v, slots)
+    num_tokens, hkv, _ = k.shape
+    if not kernel:
+        return reference.kv_write(kv_pages, k, v[:num_tokens, v_head:v_head + hkv], slots)
+    if reference.is_fp8(kv_pages.dtype):  # saturated here (``to_page_dtype``): the kernel's store is a plain cast
+        k, v, v_head = (reference.to_page_dtype(k, kv_pages.dtype),
+                        reference.to_page_dtype(v[:num_tokens, v_head:v_head + hkv], kv_pages.dtype), 0)
+    return kv_write_portable.kv_write(kv_pages, k, v, slots, interpret=interpret, v_head=v_head)
 
 
 __all__ = ["AttentionParams", "IMPLS", "blocked", "choose", "default_impl", "kv_write", "paged_attention",

@@ -40,17 +40,20 @@ def _kernel(slots_ref, k_ref, v_ref, kv_in_ref, kv_ref):
         kv_ref[page, 1, h, off] = v_ref[...].astype(kv_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+@functools.partial(jax.jit, static_argnames=("interpret", "v_head"))
 def kv_write(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, *,
-             interpret: bool = False) -> jax.Array:
-    """Store ``k, v: [T, Hkv, D]`` into ``kv_pages: [N, 2, Hkv, bs, D]`` at ``slots: i32[T]``.
+             interpret: bool = False, v_head: int = 0) -> jax.Array:
+    """Store ``k: [T, Hkv, D]`` and V into ``kv_pages: [N, 2, Hkv, bs, D]`` at ``slots: i32[T]``: V is heads
+    ``[v_head, v_head + Hkv)`` of the first ``T`` rows of ``v: [T', H, D]`` (a fused QKV product's output,
+    read in place: no copy of V's columns first).
 
     The output aliases ``kv_pages``: donate the cache in the enclosing jit to write in
     place. Slots must be distinct (two tokens never share a slot).
     """
     num_tokens, hkv, d = k.shape
-    if v.shape != k.shape or kv_pages.shape[2] != hkv or kv_pages.shape[4] != d:
-        raise ValueError(f"k {k.shape} / v {v.shape} do not fit kv_pages {kv_pages.shape}")
+    if (kv_pages.shape[2] != hkv or kv_pages.shape[4] != d or v.shape[0] < num_tokens or v.shape[2] != d
+            or not 0 <= v_head <= v.shape[1] - hkv):
+        raise ValueError(f"k {k.shape} / v {v.shape} (heads from {v_head}) do not fit kv_pages {kv_pages.shape}")
     support = supports(kv_pages.shape)
     if not support:
         raise ValueError(f"the portable KV write does not take {support.reason}")
@@ -59,7 +62,8 @@ def kv_write(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, 
     return pl.pallas_call(
         _kernel,
         grid=(num_tokens, hkv),
-        in_specs=[pl.BlockSpec(slots.shape, lambda t, h: (0,)), row, row, whole],
+        in_specs=[pl.BlockSpec(slots.shape, lambda t, h: (0,)), row,
+                  pl.BlockSpec((None, None, d), lambda t, h: (t, v_head + h, 0)), whole],
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype),
         input_output_aliases={3: 0},

@@ -258,8 +258,9 @@ def test_mosaic_gpu_refuses_shapes_it_cannot_take():
 @given(st.integers(0, 2**31 - 1), st.sampled_from([8, 16, 64]),
        st.sampled_from(["float32", "bfloat16", "float8_e4m3fn"]))
 def test_kv_write_kernel_equals_reference(seed, bs, dtype):
-    """The portable kernel (through the dispatcher) writes what the jnp scatter writes; K/V past fp8's range
-    (here up to some 1,500) are stored saturated, never as NaN."""
+    """The portable kernel (through the dispatcher) writes what the jnp scatter writes, its values read in place
+    from heads 3-4 of a wider array with a row more (a fused QKV product's output, padded); K/V past fp8's
+    range (here up to some 1,500) are stored saturated, never as NaN."""
     import kernels_pallas
 
     rng = np.random.default_rng(seed)
@@ -269,7 +270,9 @@ def test_kv_write_kernel_equals_reference(seed, bs, dtype):
     slots = rng.choice(np.arange(bs, n * bs), size=t, replace=False)  # never the null block
     slots[rng.random(t) < 0.3] = -1
     expected = reference.kv_write(pages, k, v, jnp.asarray(slots))
-    out = kernels_pallas.kv_write(pages, k, v, jnp.asarray(slots), impl="triton_interpret")
+    heads = jnp.asarray(rng.normal(size=(t + 1, 3 + hkv + 1, d)), jnp.float32).at[:t, 3:3 + hkv].set(v)
+    out = kernels_pallas.kv_write(pages, k, heads, jnp.asarray(slots), v_head=3, impl="triton_interpret")
+    assert (kernels_pallas.kv_write(pages, k, heads, jnp.asarray(slots), v_head=3, impl="reference") == expected).all()
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
     assert np.isfinite(np.asarray(out, np.float32)).all()
     if dtype == "float8_e4m3fn" and (slots >= 0).any():  # some of a slot's 2 * 2 * 64 values pass 448

@@ -110,11 +110,19 @@ class Attention(nnx.Module):
                            if shift_invariant(cfg.attn_soft_cap, None) else None)
 
     def _qkv(self, x, positions):
-        cfg = self.cfg
-        q = self.q_norm(self.q_proj(x).reshape(-1, cfg.num_heads, cfg.head_dim))
-        k = self.k_norm(self.k_proj(x).reshape(-1, cfg.num_kv_heads, cfg.head_dim))
-        v = self.v_proj(x).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        return rope(q, positions, self.theta), rope(k, positions, self.theta), v
+        """Queries and keys (normed, rotated), and the three projections' heads side by side ``[T, Hq + 2 Hkv,
+        D]`` from one product: the values are its last ``Hkv`` heads (``v_head`` on), which the KV write reads
+        in place (``attention``)."""
+        cfg, hq, hkv = self.cfg, self.cfg.num_heads, self.cfg.num_kv_heads
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        heads = type(self.q_proj).fused(parts, x).reshape(x.shape[0], hq + 2 * hkv, cfg.head_dim)
+        q, k = self.q_norm(heads[:, :hq]), self.k_norm(heads[:, hq:hq + hkv])
+        return rope(q, positions, self.theta), rope(k, positions, self.theta), heads
+
+    @property
+    def v_head(self) -> int:
+        """Where the values start among ``_qkv``'s heads."""
+        return self.cfg.num_heads + self.cfg.num_kv_heads
 
     @property
     def rope_theta(self) -> float:
@@ -128,22 +136,22 @@ class Attention(nnx.Module):
 
     def dense(self, x):
         """Causal attention over one whole sequence, uncached."""
-        q, k, v = self._qkv(x, jnp.arange(x.shape[0]))
-        out = dense_attention(q, k, v, window=self.window, chunk=None, soft_cap=self.cfg.attn_soft_cap,
-                              sinks=None, scale=self.scale)
+        q, k, heads = self._qkv(x, jnp.arange(x.shape[0]))
+        out = dense_attention(q, k, heads[:, self.v_head:], window=self.window, chunk=None,
+                              soft_cap=self.cfg.attn_soft_cap, sinks=None, scale=self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     def paged(self, x, positions, cache: KVCache, metadata: AttentionMetadata, impl: str):
         """A ragged batch through the paged cache: KV write, then attention."""
-        q, k, v = self._qkv(x, positions)
+        q, k, heads = self._qkv(x, positions)
         dt = jnp.dtype(cache.layout.slot(self.name).spec.dtype)
         k = centred(k, self.key_centre, dt)
         # Over bfloat16/float32 pages the attention runs in the pages' dtype; over fp8 pages in the model's:
         # the KV write rounds K/V (saturating), the kernels read the pages up to the queries' dtype, and the
         # queries and the output are not rounded.
         dt = x.dtype if is_fp8(dt) else dt
-        out, cache = attention(self.name, q.astype(dt), k.astype(dt), v.astype(dt), cache, metadata,
-                               sm_scale=self.scale, soft_cap=self.cfg.attn_soft_cap, impl=impl)
+        out, cache = attention(self.name, q.astype(dt), k.astype(dt), heads.astype(dt), cache, metadata,
+                               v_head=self.v_head, sm_scale=self.scale, soft_cap=self.cfg.attn_soft_cap, impl=impl)
         return self.o_proj(out.astype(x.dtype).reshape(x.shape[0], -1)), cache
 
 

@@ -138,17 +138,25 @@ class Attention(nnx.Module):
         return self.cfg.rope_theta if not self.cfg.rope or self.cfg.rope[self.index] else None
 
     def _qkv(self, x, positions):
-        """Queries, and keys and values (``None`` for a KV-sharing layer)."""
+        """Queries and keys (``None`` for a KV-sharing layer), and the projections' heads side by side from one
+        product (queries, keys, values): the values are ``Hkv`` heads of it from ``v_head`` on (the raw keys
+        where keys serve as values), which the KV write reads in place (``attention``)."""
         cfg, d, theta = self.cfg, self.head_dim, self.rope_theta
-        q = self.q(x).reshape(-1, cfg.num_heads, d)
+        parts = tuple(p for p in (self.q, self.k, self.v) if p is not None)
+        heads = type(self.q).fused(parts, x).reshape(x.shape[0], -1, d)
+        q = heads[:, :cfg.num_heads]
         q = q if self.q_norm is None else self.q_norm(q)
         q = rope(q, positions, theta) if theta is not None else q
         if not self.owns_kv:
             return q, None, None
-        raw = self.k(x).reshape(-1, self.kv_heads, d)
-        v = raw if self.v_is_k else self.v(x).reshape(-1, self.kv_heads, d)  # keys as values: before norm and RoPE
-        k = raw if self.k_norm is None else self.k_norm(raw)
-        return q, rope(k, positions, theta) if theta is not None else k, v
+        k = heads[:, cfg.num_heads:cfg.num_heads + self.kv_heads]
+        k = k if self.k_norm is None else self.k_norm(k)
+        return q, rope(k, positions, theta) if theta is not None else k, heads
+
+    @property
+    def v_head(self) -> int:
+        """Where the values start among ``_qkv``'s heads: after the keys, or the keys themselves."""
+        return self.cfg.num_heads + (0 if self.v_is_k else self.kv_heads)
 
     def _sinks(self):
         return None if self.sinks is None else self.sinks[...]
@@ -156,8 +164,9 @@ class Attention(nnx.Module):
     def dense(self, x, kv: dict[int, tuple[jax.Array, jax.Array]]):
         """Uncached attention over the whole sequence; ``kv`` holds each KV-owning layer's keys and values
         by index (this layer adds its own; a KV-sharing layer reads its target's)."""
-        q, k, v = self._qkv(x, jnp.arange(x.shape[0]))
+        q, k, heads = self._qkv(x, jnp.arange(x.shape[0]))
         if self.owns_kv:  # rounded as the cache stores them (fp8, bf16; no-op for float32 pages)
+            v = heads[:, self.v_head:self.v_head + self.kv_heads]
             k = centred(k, self.key_centre, self.kv_dtype)
             k, v = (to_page_dtype(t, self.kv_dtype).astype(t.dtype) for t in (k, v))
             kv[self.index] = k, v
@@ -168,10 +177,10 @@ class Attention(nnx.Module):
         return self.o(out.reshape(x.shape[0], -1))
 
     def paged(self, x, positions, cache: KVCache, metadata: AttentionMetadata, impl: str):
-        q, k, v = self._qkv(x, positions)
+        q, k, heads = self._qkv(x, positions)
         if self.owns_kv:
             k = centred(k, self.key_centre, cache.layout.slot(self.name).spec.dtype)
-        out, cache = attention(self.name, q, k, v, cache, metadata, sinks=self._sinks(),
+        out, cache = attention(self.name, q, k, heads, cache, metadata, v_head=self.v_head, sinks=self._sinks(),
                                soft_cap=self.cfg.attn_soft_cap, impl=impl)
         return self.o(out.reshape(x.shape[0], -1)), cache
 
