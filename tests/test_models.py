@@ -151,3 +151,24 @@ def test_a_single_token_run_as_two_rows_as_on_a_gpu_gives_the_same_logits_and_pa
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     for g, w in zip(got_cache.buffers, want_cache.buffers):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_projections_equal_the_layers_one_by_one():
+    """``Linear.fused`` and ``Int8Linear.fused`` (a model's Q, K and V as one product) give each layer's own
+    output side by side, a single row too (two on a GPU); a layer with a bias is refused."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from hkv_jax.models import layers
+    from hkv_jax.models.quant import Int8Linear
+
+    rngs = nnx.Rngs(0)
+    parts = tuple(layers.Linear(16, n, use_bias=False, rngs=rngs) for n in (8, 4, 4))
+    quantized = tuple(Int8Linear(np.asarray(p.kernel[...])) for p in parts)
+    for x in (jnp.asarray(np.random.default_rng(0).normal(size=(3, 16)), jnp.float32), jnp.ones((1, 16))):
+        for group in (parts, quantized):
+            want = np.concatenate([np.asarray(p(x)) for p in group], axis=-1)
+            np.testing.assert_allclose(np.asarray(type(group[0]).fused(group, x)), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="bias-free layers of one dtype"):
+        layers.Linear.fused((parts[0], layers.Linear(16, 4, rngs=rngs)), x)

@@ -45,6 +45,8 @@ class Linear(nnx.Linear):
         """``[p(inputs) for p in parts]`` side by side on the last axis, as one product over the layers'
         kernels side by side (bias-free layers of one dtype; ``Int8Linear.fused`` is its int8 twin)."""
         first = parts[0]
+        if any(p.bias is not None or p.dtype != first.dtype for p in parts):
+            raise ValueError("Linear.fused takes bias-free layers of one dtype")
         kernel = jnp.concatenate([p.kernel[...] for p in parts], axis=1)
         x, kernel = first.promote_dtype((inputs, kernel), dtype=first.dtype)
         rows = x.reshape(-1, x.shape[-1])
