@@ -309,7 +309,7 @@ def test_engine_config_fills_the_sizes_left_out_by_the_models_rule_and_configs_n
               SlidingWindowSpec(name="s", num_kv_heads=1, head_size=8, dtype="float32", sliding_window=32)]
     other = SimpleNamespace(cfg=SimpleNamespace(layers=layers))
     cfg = engine_config(other, max_requests=3, token_budget=16, num_blocks=None)
-    per_request = plan(layers, block_size=16, num_blocks=2).blocks_per_request(512 + 16)
+    per_request = plan(layers, block_size=16, num_blocks=2).blocks_per_request(512, chunk=16)
     assert (cfg.max_model_len, cfg.num_blocks, cfg.token_buckets) == (512, 1 + 3 * per_request, None)
     assert engine_config(other, num_blocks=7, max_model_len=40).num_blocks == 7
     tiny = TinyLM.__new__(TinyLM)  # the rule reads the type only
