@@ -15,8 +15,8 @@ steps each (the median per step after two warm calls), then records a profiler t
 - ``setup_s``: building the model and engine, compiling and prefilling: the start to the first token. The
   pool holds each request's blocks and, beside a sliding window or local chunk, a step's chunk of the prompt
   (``gpu_projection.blocks_per_request``), so the prompt prefills in ``prefill_steps`` steps of the token
-  budget. (Over a pool of the windows alone, the scheduler cuts a long prompt into steps that fit them:
-  Gemma 3 270M's 1k prompt then takes 25 steps, and its last token one more step program.)
+  budget. (Over a pool of the windows alone, the scheduler cuts a long prompt into the small steps that fit
+  them, and a short last step compiles one more step program before the first token.)
 
 ``--traced-calls 0`` records no trace: the wall time alone (kernels that run inside XLA's CUDA graphs lose
 their names in a trace); ``xla_flags`` keeps the ``XLA_FLAGS`` the run had. On
