@@ -17,6 +17,9 @@ steps each (the median per step after two warm calls), then records a profiler t
   (``gpu_projection.blocks_per_request``), so the prompt prefills in ``prefill_steps`` steps of the token
   budget. (Over a pool of the windows alone, the scheduler cuts a long prompt into the small steps that fit
   them, and a short last step compiles one more step program before the first token.)
+  ``setup_compiled`` and ``setup_loaded``: the programs that start compiled, and those it loaded from JAX's
+  persistent compilation cache instead (``JAX_COMPILATION_CACHE_DIR``); the engine's shapes do not depend on
+  ``--calls`` (``gpu_projection.DECODE_ROOM``), so a second start compiles none.
 
 ``--traced-calls 0`` records no trace: the wall time alone (kernels that run inside XLA's CUDA graphs lose
 their names in a trace); ``xla_flags`` keeps the ``XLA_FLAGS`` the run had. On
@@ -46,6 +49,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_projection import decode_engine, timed_decode_calls  # noqa: E402
 
 COPIES = ("Memcpy", "Memset", "memcpy", "memset")
+# XLA compile requests (a load from the persistent cache among them) and loads, counted as JAX reports them.
+COMPILE_EVENT, CACHE_HIT_EVENT = "/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_hits"
+EVENTS = collections.Counter()
+jax.monitoring.register_event_listener(lambda event, **_: EVENTS.update([event]))
+jax.monitoring.register_event_duration_secs_listener(lambda event, _secs, **_: EVENTS.update([event]))
 
 
 def device_events(trace: dict | list) -> list[dict]:
@@ -89,15 +97,19 @@ def read_trace(path: str) -> dict | list:
 def profile(config: str, batch: int, context: int, decode_steps: int, calls: int, traced_calls: int,
             top: int) -> dict:
     """The row for one configuration, on this machine's device."""
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), EVENTS.copy()
     eng = decode_engine(config, batch, context, decode_steps, calls + traced_calls)
     setup, prefill_steps = time.perf_counter() - t0, eng.stats.steps
+    counted = EVENTS - before
+    loaded = counted[CACHE_HIT_EVENT]
+    compiled = counted[COMPILE_EVENT] - loaded
     print(f"# {config} B={batch} ctx={context}: engine built, compiled and prefilled ({prefill_steps} steps, "
-          f"programs {sorted(eng.stats.bucket_steps)}) in {setup:.1f} s", file=sys.stderr, flush=True)
+          f"step programs {sorted(eng.stats.bucket_steps)}; {compiled} programs compiled, {loaded} loaded from "
+          f"the cache) in {setup:.1f} s", file=sys.stderr, flush=True)
     times = timed_decode_calls(eng, calls, decode_steps)
     row = {"bench": "decode_profile", "config": config, "batch": batch, "context": context,
            "decode_steps": decode_steps, "device": jax.devices()[0].device_kind, "setup_s": round(setup, 1),
-           "prefill_steps": prefill_steps,
+           "prefill_steps": prefill_steps, "setup_compiled": compiled, "setup_loaded": loaded,
            "xla_flags": os.environ.get("XLA_FLAGS") or None,
            "step_ms": round(statistics.median(times[2:] or times) * 1e3, 3), "gpu_busy_ms": None,
            "kernels_per_step": None, "d2h_per_step": None, "d2h_wait_us_median": None, "top": []}

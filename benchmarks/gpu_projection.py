@@ -82,6 +82,10 @@ CONFIGS = {
 }
 BLOCK_SIZE = 16
 DECODE_CALL_STEPS = 4
+# Tokens past its prompt that ``decode_engine`` gives each request room for, however many calls it is asked
+# for: its shapes (pool, block tables) then do not depend on the calls, so that runs of different lengths
+# share their compiled programs (a warm start loads every one from the persistent cache).
+DECODE_ROOM = 128
 def build_model(name: str):
     """(config, abstract model) of ``name``: the Gemma 3 ones as the engine serves Gemma 3 (``Gemma3LM``, bf16
     weights), the others in the tiny model family (f32 weights: it computes in f32); a ``tiny-*`` preset as it
@@ -202,13 +206,17 @@ def _gb(n: int | None) -> str:
 def decode_engine(name: str, batch: int, context: int, decode_steps: int, decode_calls: int):
     """On the machine's own device: an engine serving ``name`` (random weights; a ``tiny-*`` preset too) to
     ``batch`` requests of ``context`` tokens, prefilled, with tokens left for ``decode_calls`` calls of
-    ``decode_steps`` decode steps each (1: ``STEP``, more: ``DECODE_STEPS``)."""
+    ``decode_steps`` decode steps each (1: ``STEP``, more: ``DECODE_STEPS``), and two calls more: at most
+    ``DECODE_ROOM`` tokens."""
     from hkv_jax.engine import Engine, SamplingParams
 
+    new_tokens = decode_steps * (decode_calls + 2)
+    if new_tokens > DECODE_ROOM:
+        raise ValueError(f"{decode_calls} calls of {decode_steps} decode steps, and two more, need "
+                         f"{new_tokens} new tokens a request; the engine has room for {DECODE_ROOM}")
     cfg, _ = build_model(name)
     model = (Gemma3LM if isinstance(cfg, Gemma3Config) else TinyLM)(cfg, nnx.Rngs(0))
-    new_tokens = decode_steps * (decode_calls + 2)
-    max_len = context + 2 * BLOCK_SIZE + new_tokens
+    max_len = context + 2 * BLOCK_SIZE + DECODE_ROOM
     probe = plan(cfg.layers, block_size=BLOCK_SIZE, policy="vllm", num_blocks=2)
     budget = max(batch, 512)
     eng = Engine(model, num_blocks=batch * blocks_per_request(probe, max_len, cdiv(budget, batch)) + 1,

@@ -12,9 +12,11 @@ field:
   ``d2h_per_step``, ``d2h_wait_us_median``, ``xla_flags``,
   from ``decode_profile_cold.json``, and the step in XLA's CUDA graphs (wall time) from
   ``decode_profile_graphs.json``;
-- ``startup``: ``config``, ``cold_s``, ``warm_s``, ``prefill_steps``: the decode profile's setup (model, engine,
-  compiles and the prefill, in ``prefill_steps`` steps) in a fresh process with an empty compilation cache, and
-  again with that cache filled (``decode_profile_warm.json``);
+- ``startup``: ``config``, ``cold_s``, ``warm_s``, ``prefill_steps``, ``cold_compiled``, ``warm_compiled``,
+  ``warm_loaded``: the decode profile's setup (model, engine, compiles and the prefill, in ``prefill_steps``
+  steps) in a fresh process with an empty compilation cache, and again with that cache filled
+  (``decode_profile_warm.json``), with the programs each compiled and those the warm one loaded from the cache
+  (``warm_compiled`` 0: the cache served the whole start);
 - ``projection``: ``config``, ``batch``, ``context``, ``measured_ms``, ``projected_ms``, ``measured_on`` (the
   device), from ``projection.json`` (the session's part 2);
 - ``parity``: ``model``, ``policy``, ``requests``, ``tokens_equal``, ``max_logit_err``, from ``parity.jsonl``;
@@ -80,8 +82,11 @@ def collect(out: Path) -> tuple[list[dict], str | None]:
         device = device or r.get("device")
     rows.extend(_pick("decode_profile", r) for r in _json_lines(out / "decode_profile_graphs.json"))
     if cold:
+        w = warm[0] if warm else {}
         rows.append({"bench": "startup", "config": cold[0]["config"], "cold_s": cold[0]["setup_s"],
-                     "warm_s": warm[0]["setup_s"] if warm else None, "prefill_steps": cold[0].get("prefill_steps")})
+                     "warm_s": w.get("setup_s"), "prefill_steps": cold[0].get("prefill_steps"),
+                     "cold_compiled": cold[0].get("setup_compiled"), "warm_compiled": w.get("setup_compiled"),
+                     "warm_loaded": w.get("setup_loaded")})
     for r in _json_lines(out / "projection.json"):
         measured = [x for x in r.get("rows", []) if "measured_ms" in x]
         rows.extend(_pick("projection", x) for x in measured)
