@@ -166,13 +166,15 @@ def greedy(model, prompts: list[list[int]], new_tokens: int, ref_dtype: str, chu
 
 def layer_errors(model, ids: list[int]) -> list[dict]:
     """Per layer of a Gemma 3 model (``--layers``): K/V range and e4m3 rounding error, scale 1 and per layer."""
+    from hkv_jax.models.layers import take_heads
+
     def rounded(x, scale):
         return np.asarray(jnp.asarray(x / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32)) * scale
 
     rows, x, positions = [], model._embed(jnp.asarray(ids)), jnp.arange(len(ids))
     for i, layer in enumerate(model.layers):
-        _, k, heads = layer.self_attn._qkv(layer.input_layernorm(x), positions)
-        v = heads[:, layer.self_attn.v_head:]
+        _, k, values = layer.self_attn._qkv(layer.input_layernorm(x), positions)
+        v = take_heads(values, model.cfg.num_kv_heads)
         row = {"layer": i}
         for name, t in (("k", np.asarray(k, np.float32)), ("v", np.asarray(v, np.float32))):
             rms, top = np.sqrt((t ** 2).mean()), float(np.abs(t).max())

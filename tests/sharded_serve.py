@@ -83,16 +83,17 @@ def _step_programs() -> set[Path]:
 
 def collectives(programs: set[Path]) -> dict:
     """What the step programs a serve compiled hold: their partition counts, how many all-reduces, and the
-    result shape of every all-gather (``f32[20,2,4,8,32]{...}``; one of ``num_blocks`` rows gathers pages of
-    the pool, which must not happen). Read from XLA's dump of the programs the engine ran (compiling one
-    again to read it took as long as serving)."""
+    op and result shape of every other collective, which moves data between the devices
+    (``all-gather f32[20,2,4,8,32]{...}``: one of ``num_blocks`` rows gathers pages of the pool). Read from
+    XLA's dump of the programs the engine ran (compiling one again to read it took as long as serving)."""
     if not programs:
         raise SystemExit("no step program was compiled while serving (a program reused from an earlier serve)")
     texts = [p.read_text() for p in sorted(programs)]
     return {"partitions": sorted({int(re.search(r"num_partitions=(\d+)", t).group(1)) if "num_partitions=" in t
                                   else 1 for t in texts}),
             "all_reduces": sum(len(re.findall(r" all-reduce(?:-start)?\(", t)) for t in texts),
-            "all_gathers": [s for t in texts for s in re.findall(r"= (\S+) all-gather(?:-start)?\(", t)]}
+            "moves": [f"{op} {shape}" for t in texts for shape, op in
+                      re.findall(r"= (\S+) (all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", t)]}
 
 
 def attention_errors(shape: tuple[int, int]) -> dict[str, list[float]]:
@@ -140,7 +141,7 @@ def main(argv: list[str]) -> int:
         t = time.perf_counter()
         runs[shape] = serve(name, None if (data, mod) == (1, 1) else make_mesh(data, mod))
         print(f"{shape}: {time.perf_counter() - t:.1f} s, pool parts {runs[shape]['shards']}, "
-              f"all-gathers {runs[shape]['all_gathers']}", file=sys.stderr, flush=True)
+              f"collectives that move data {runs[shape]['moves']}", file=sys.stderr, flush=True)
     json.dump(runs, sys.stdout)
     return 0
 

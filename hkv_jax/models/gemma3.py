@@ -28,12 +28,16 @@ from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
 from hkv_jax.models.key_centre import KeyCentre, centred, shift_invariant
 from hkv_jax.models.layers import (
+    Heads,
     Linear,
     RMSNorm,
     capped,
     dense_attention,
+    gate_and_up,
     gemm_rows,
+    projected_heads,
     rope,
+    take_heads,
     two_rows_at_least,
 )
 from hkv_jax.spec import LayerSpec
@@ -109,20 +113,13 @@ class Attention(nnx.Module):
         self.key_centre = (KeyCentre(jnp.zeros((cfg.num_kv_heads, d), jnp.float32))
                            if shift_invariant(cfg.attn_soft_cap, None) else None)
 
-    def _qkv(self, x, positions):
-        """Queries and keys (normed, rotated), and the three projections' heads side by side ``[T, Hq + 2 Hkv,
-        D]`` from one product: the values are its last ``Hkv`` heads (``v_head`` on), which the KV write reads
-        in place (``attention``)."""
-        cfg, hq, hkv = self.cfg, self.cfg.num_heads, self.cfg.num_kv_heads
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        heads = type(self.q_proj).fused(parts, x).reshape(x.shape[0], hq + 2 * hkv, cfg.head_dim)
-        q, k = self.q_norm(heads[:, :hq]), self.k_norm(heads[:, hq:hq + hkv])
-        return rope(q, positions, self.theta), rope(k, positions, self.theta), heads
-
-    @property
-    def v_head(self) -> int:
-        """Where the values start among ``_qkv``'s heads."""
-        return self.cfg.num_heads + self.cfg.num_kv_heads
+    def _qkv(self, x, positions) -> tuple[jax.Array, jax.Array, Heads]:
+        """Queries and keys (normed, rotated), and where the values are (``layers.projected_heads``: on one
+        device among all three projections' heads, which the KV write reads in place)."""
+        cfg = self.cfg
+        q, k, v = projected_heads((self.q_proj, self.k_proj, self.v_proj), x, cfg.head_dim)
+        q, k = self.q_norm(take_heads(q, cfg.num_heads)), self.k_norm(take_heads(k, cfg.num_kv_heads))
+        return rope(q, positions, self.theta), rope(k, positions, self.theta), v
 
     @property
     def rope_theta(self) -> float:
@@ -136,27 +133,27 @@ class Attention(nnx.Module):
 
     def dense(self, x):
         """Causal attention over one whole sequence, uncached."""
-        q, k, heads = self._qkv(x, jnp.arange(x.shape[0]))
-        out = dense_attention(q, k, heads[:, self.v_head:], window=self.window, chunk=None,
+        q, k, v = self._qkv(x, jnp.arange(x.shape[0]))
+        out = dense_attention(q, k, take_heads(v, self.cfg.num_kv_heads), window=self.window, chunk=None,
                               soft_cap=self.cfg.attn_soft_cap, sinks=None, scale=self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     def paged(self, x, positions, cache: KVCache, metadata: AttentionMetadata, impl: str):
         """A ragged batch through the paged cache: KV write, then attention."""
-        q, k, heads = self._qkv(x, positions)
+        q, k, (values, v_head) = self._qkv(x, positions)
         dt = jnp.dtype(cache.layout.slot(self.name).spec.dtype)
         k = centred(k, self.key_centre, dt)
         # Over bfloat16/float32 pages the attention runs in the pages' dtype; over fp8 pages in the model's:
         # the KV write rounds K/V (saturating), the kernels read the pages up to the queries' dtype, and the
         # queries and the output are not rounded.
         dt = x.dtype if is_fp8(dt) else dt
-        out, cache = attention(self.name, q.astype(dt), k.astype(dt), heads.astype(dt), cache, metadata,
-                               v_head=self.v_head, sm_scale=self.scale, soft_cap=self.cfg.attn_soft_cap, impl=impl)
+        out, cache = attention(self.name, q.astype(dt), k.astype(dt), values.astype(dt), cache, metadata,
+                               v_head=v_head, sm_scale=self.scale, soft_cap=self.cfg.attn_soft_cap, impl=impl)
         return self.o_proj(out.astype(x.dtype).reshape(x.shape[0], -1)), cache
 
 
 class MLP(nnx.Module):
-    """``down(gelu_tanh(gate(x)) * up(x))``."""
+    """``down(gelu_tanh(gate(x)) * up(x))`` (gate and up: ``layers.gate_and_up``)."""
 
     def __init__(self, cfg: Gemma3Config, rngs: nnx.Rngs):
         self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, cfg, rngs)
@@ -164,7 +161,8 @@ class MLP(nnx.Module):
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, cfg, rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x))
+        gate, up = gate_and_up(self.gate_proj, self.up_proj, x)
+        return self.down_proj(jax.nn.gelu(gate, approximate=True) * up)
 
 
 class DecoderLayer(nnx.Module):

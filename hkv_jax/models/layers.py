@@ -55,6 +55,46 @@ class Linear(nnx.Linear):
         return y[:n].reshape(*inputs.shape[:-1], -1)
 
 
+def _columns_split() -> bool:
+    """Whether the mesh in use has a ``model`` axis, which splits the linear layers' columns
+    (``hkv_jax.sharding``). One product over several layers' kernels side by side would then hold each
+    device's columns of every layer in the wrong place, and XLA moves (or gathers) its outputs between the
+    devices every layer; the layers' own products keep each device's columns."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and dict(mesh.shape).get("model", 1) > 1
+
+
+def gate_and_up(gate: nnx.Module, up: nnx.Module, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(gate(x), up(x))`` of a gated MLP: one product (``Linear.fused``; XLA:GPU runs two wide products as
+    two kernels), or two under a mesh that splits their columns (``_columns_split``)."""
+    if _columns_split():
+        return gate(x), up(x)
+    both = type(gate).fused((gate, up), x)
+    return both[..., :both.shape[-1] // 2], both[..., both.shape[-1] // 2:]
+
+
+Heads = tuple[jax.Array, int]  # (array [T, H, D], first): a layer's heads are array[:, first:first + its heads]
+
+
+def projected_heads(parts: tuple[nnx.Module, ...], x: jax.Array, head_dim: int) -> list[Heads]:
+    """Each of ``parts`` (an attention layer's query, key and value projections) over ``x: [T, in]`` as heads
+    of ``head_dim``. On one device one product gives one array holding every part's heads side by side, so
+    the KV write reads the values in place (``attention``'s ``v_head``); under a mesh that splits the
+    columns (``_columns_split``) each part is its own product and array."""
+    t = x.shape[0]
+    if _columns_split():
+        return [(p(x).reshape(t, -1, head_dim), 0) for p in parts]
+    heads = type(parts[0]).fused(parts, x).reshape(t, -1, head_dim)
+    firsts = [sum(p.out_features for p in parts[:i]) // head_dim for i in range(len(parts))]
+    return [(heads, first) for first in firsts]
+
+
+def take_heads(heads: Heads, count: int) -> jax.Array:
+    """The ``count`` heads ``heads`` points at: ``[T, count, D]``."""
+    array, first = heads
+    return array[:, first:first + count]
+
+
 def capped(x: jax.Array, cap: float | None) -> jax.Array:
     """``cap * tanh(x / cap)`` (Gemma 2's logit soft-capping); ``x`` itself when ``cap`` is ``None``."""
     return x if cap is None else cap * jnp.tanh(x / cap)

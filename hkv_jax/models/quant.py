@@ -75,6 +75,11 @@ class Int8Linear(nnx.Module):
         self.scale = nnx.Param(jnp.asarray(scale))
         self.dtype = dtype
 
+    @property
+    def out_features(self) -> int:
+        """The layer's outputs (``nnx.Linear``'s name)."""
+        return self.weight.shape[0]
+
     def __call__(self, x: jax.Array) -> jax.Array:
         return int8_matmul(x, self.weight[...], self.scale[...]).astype(self.dtype)
 

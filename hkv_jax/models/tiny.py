@@ -32,7 +32,17 @@ from hkv_jax.attention import AttentionMetadata, attention, pad_rows
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
 from hkv_jax.models.key_centre import KeyCentre, centred, shift_invariant
-from hkv_jax.models.layers import Linear, capped, dense_attention, gemm_rows, rope
+from hkv_jax.models.layers import (
+    Heads,
+    Linear,
+    capped,
+    dense_attention,
+    gate_and_up,
+    gemm_rows,
+    projected_heads,
+    rope,
+    take_heads,
+)
 from hkv_jax.models.mamba2 import Mamba2, Mamba2Config
 from hkv_jax.spec import LayerSpec
 from kernels_pallas.reference import to_page_dtype
@@ -137,26 +147,19 @@ class Attention(nnx.Module):
         """The RoPE base of this layer's keys, ``None`` for a layer without RoPE."""
         return self.cfg.rope_theta if not self.cfg.rope or self.cfg.rope[self.index] else None
 
-    def _qkv(self, x, positions):
-        """Queries and keys (``None`` for a KV-sharing layer), and the projections' heads side by side from one
-        product (queries, keys, values): the values are ``Hkv`` heads of it from ``v_head`` on (the raw keys
-        where keys serve as values), which the KV write reads in place (``attention``)."""
+    def _qkv(self, x, positions) -> tuple[jax.Array, jax.Array | None, Heads | None]:
+        """Queries, keys and where the values are (``layers.projected_heads``; the raw keys where keys serve
+        as values); ``None`` for a KV-sharing layer's keys and values."""
         cfg, d, theta = self.cfg, self.head_dim, self.rope_theta
-        parts = tuple(p for p in (self.q, self.k, self.v) if p is not None)
-        heads = type(self.q).fused(parts, x).reshape(x.shape[0], -1, d)
-        q = heads[:, :cfg.num_heads]
+        heads = projected_heads(tuple(p for p in (self.q, self.k, self.v) if p is not None), x, d)
+        q = take_heads(heads[0], cfg.num_heads)
         q = q if self.q_norm is None else self.q_norm(q)
         q = rope(q, positions, theta) if theta is not None else q
         if not self.owns_kv:
             return q, None, None
-        k = heads[:, cfg.num_heads:cfg.num_heads + self.kv_heads]
+        k = take_heads(heads[1], self.kv_heads)
         k = k if self.k_norm is None else self.k_norm(k)
-        return q, rope(k, positions, theta) if theta is not None else k, heads
-
-    @property
-    def v_head(self) -> int:
-        """Where the values start among ``_qkv``'s heads: after the keys, or the keys themselves."""
-        return self.cfg.num_heads + (0 if self.v_is_k else self.kv_heads)
+        return q, rope(k, positions, theta) if theta is not None else k, heads[1 if self.v_is_k else 2]
 
     def _sinks(self):
         return None if self.sinks is None else self.sinks[...]
@@ -164,9 +167,9 @@ class Attention(nnx.Module):
     def dense(self, x, kv: dict[int, tuple[jax.Array, jax.Array]]):
         """Uncached attention over the whole sequence; ``kv`` holds each KV-owning layer's keys and values
         by index (this layer adds its own; a KV-sharing layer reads its target's)."""
-        q, k, heads = self._qkv(x, jnp.arange(x.shape[0]))
+        q, k, values = self._qkv(x, jnp.arange(x.shape[0]))
         if self.owns_kv:  # rounded as the cache stores them (fp8, bf16; no-op for float32 pages)
-            v = heads[:, self.v_head:self.v_head + self.kv_heads]
+            v = take_heads(values, self.kv_heads)
             k = centred(k, self.key_centre, self.kv_dtype)
             k, v = (to_page_dtype(t, self.kv_dtype).astype(t.dtype) for t in (k, v))
             kv[self.index] = k, v
@@ -177,10 +180,11 @@ class Attention(nnx.Module):
         return self.o(out.reshape(x.shape[0], -1))
 
     def paged(self, x, positions, cache: KVCache, metadata: AttentionMetadata, impl: str):
-        q, k, heads = self._qkv(x, positions)
+        q, k, values = self._qkv(x, positions)
+        values, v_head = values or (None, 0)
         if self.owns_kv:
             k = centred(k, self.key_centre, cache.layout.slot(self.name).spec.dtype)
-        out, cache = attention(self.name, q, k, heads, cache, metadata, v_head=self.v_head, sinks=self._sinks(),
+        out, cache = attention(self.name, q, k, values, cache, metadata, v_head=v_head, sinks=self._sinks(),
                                soft_cap=self.cfg.attn_soft_cap, impl=impl)
         return self.o(out.reshape(x.shape[0], -1)), cache
 
@@ -199,8 +203,9 @@ class Block(nnx.Module):
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, use_bias=False, rngs=rngs)
 
     def mlp(self, x):
-        h = self.mlp_norm(x)
-        return x + self.down(jax.nn.gelu(self.gate(h)) * self.up(h))
+        """``x + down(gelu(gate(h)) * up(h))`` of the normed ``h`` (gate and up: ``gate_and_up``)."""
+        gate, up = gate_and_up(self.gate, self.up, self.mlp_norm(x))
+        return x + self.down(jax.nn.gelu(gate) * up)
 
     def dense(self, x, kv: dict):
         """The block over one whole sequence, uncached (``kv``: ``Attention.dense``'s)."""
