@@ -11,7 +11,8 @@
 #      (HKV_MOSAIC_WARPGROUPS=1, written to fallback.txt; set it for part 2 too);
 #   2. the engine's parity workload on this GPU's kernels against the dense model;
 #   3. decode_profile: a Gemma 3 270M decode step (B=1, 1k): wall, GPU busy time, kernels a step, top kernels;
-#      run twice, the second with the first's compilation cache: the start, cold and warm; the first dumps
+#      run twice over a compilation cache of their own (empty at first: the steps before leave programs the
+#      profile would load), the second with what the first put there: the start, cold and warm; the first dumps
 #      its optimised decode program, and gpu_hlo.py counts its kernels a step (to set against the trace);
 #      a third run puts the step's loops and conditionals into XLA's CUDA graphs (wall time only);
 #   4. host_copy: the host tier's in-step page copies down and up, GB/s;
@@ -34,6 +35,7 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0  # every program, as hkv's c
 smoke=${SMOKE:-}
 dump="--xla_dump_to=$out/hlo --xla_dump_hlo_module_re=decode_steps"  # the decode program's modules only
 graphs="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"  # no predicate read by the host (gpu_hlo.py)
+start="JAX_COMPILATION_CACHE_DIR=$out/start_cache"  # the cold and the warm start's own cache
 step() {  # step NAME SECONDS COMMAND...: stdout to $out/NAME, stderr to $out/NAME.log and the terminal
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -46,11 +48,11 @@ step() {  # step NAME SECONDS COMMAND...: stdout to $out/NAME, stderr to $out/NA
 if [ -n "$smoke" ]; then
   step attention_decode.jsonl 300 python benchmarks/attention_gpu.py --smoke --mode decode --json
   step parity.jsonl 120 python benchmarks/gpu_parity.py --smoke
-  step decode_profile_cold.json 120 env XLA_FLAGS="${XLA_FLAGS:-} $dump" python benchmarks/decode_profile.py \
+  step decode_profile_cold.json 120 env "$start" XLA_FLAGS="${XLA_FLAGS:-} $dump" python benchmarks/decode_profile.py \
     --smoke --json
   # Untraced, as the graphs step below runs (which the smoke leaves out: XLA:CPU has no CUDA graphs, and the
   # flag would only cost the compile that this step loads from the cache).
-  step decode_profile_warm.json 120 python benchmarks/decode_profile.py --smoke --traced-calls 0 --json
+  step decode_profile_warm.json 120 env "$start" python benchmarks/decode_profile.py --smoke --traced-calls 0 --json
   step hlo_kernels.json 30 python benchmarks/gpu_hlo.py --module "$out/hlo" --config tiny-gptoss --json
   step host_copy.jsonl 60 python benchmarks/host_copy.py --model tiny-gemma3 --blocks 2 --pool-blocks 8 \
     --host-blocks 8 --repeats 1 --json
@@ -66,9 +68,9 @@ elif [ "$part" != 2 ]; then
     echo "# two warpgroups a program timed nothing: HKV_MOSAIC_WARPGROUPS=1 from here on" | tee "$out/fallback.txt" >&2
   fi
   step parity.jsonl 95 python benchmarks/gpu_parity.py --cases tiny-gemma3:vllm,tiny-jamba:min-waste
-  step decode_profile_cold.json 80 env XLA_FLAGS="${XLA_FLAGS:-} $dump" python benchmarks/decode_profile.py \
+  step decode_profile_cold.json 80 env "$start" XLA_FLAGS="${XLA_FLAGS:-} $dump" python benchmarks/decode_profile.py \
     --config gemma-3-270m --batch 1 --context 1024 --json
-  step decode_profile_warm.json 45 python benchmarks/decode_profile.py --config gemma-3-270m --batch 1 \
+  step decode_profile_warm.json 45 env "$start" python benchmarks/decode_profile.py --config gemma-3-270m --batch 1 \
     --context 1024 --calls 4 --json
   step hlo_kernels.json 30 python benchmarks/gpu_hlo.py --module "$out/hlo" --config gemma-3-270m --batch 1 \
     --context 1024 --json
