@@ -143,18 +143,22 @@ def init_host_tier(layout: Layout, buffers_like: tuple[jax.Array, ...], num_bloc
         raise ValueError(f"a host tier of {num_blocks} blocks (block 0 unused) cannot hold one block of each of "
                          f"the {layout.num_groups} groups")
     unit = host_unit(layout, unit)
-    sharding = None
-    if memory_kind is not None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory_kind)
+    # Every array committed to the first device, as the engine's state is: a program's first call then sees
+    # the placement of every later call (an uncommitted tier, committed once a program's output, made the
+    # step after the first release compile again).
+    device = jax.devices()[0]
+    pages = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
 
     def zeros(b):
         # From numpy: ``device_put`` gives the array its memory space (a jitted ``out_shardings`` does not).
-        return jax.device_put(np.zeros((num_blocks,) + b.shape[1:], b.dtype), sharding)
+        return jax.device_put(np.zeros((num_blocks,) + b.shape[1:], b.dtype), pages)
 
     up, down = copy_sizes(layout, token_budget)
-    return HostTier(block_pool.init_block_pool(num_blocks, layout.num_groups),
-                    tuple(zeros(b) for b in buffers_like), jnp.zeros(len(COUNTERS), jnp.int32),
-                    jnp.zeros(num_blocks, bool), up, down, unit, memory_kind, supersede)
+    pool, counters, superseded = jax.device_put(
+        (block_pool.init_block_pool(num_blocks, layout.num_groups), jnp.zeros(len(COUNTERS), jnp.int32),
+         jnp.zeros(num_blocks, bool)), jax.sharding.SingleDeviceSharding(device))
+    return HostTier(pool, tuple(zeros(b) for b in buffers_like), counters, superseded, up, down, unit,
+                    memory_kind, supersede)
 
 
 def _count(host: HostTier, **added) -> jax.Array:
