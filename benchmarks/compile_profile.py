@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in sorted(Path(dump).glob("*.jit_step.cpu_after_optimizations.txt")):
         counts = kernel_sources(path.read_text())
         programs.append({"program": path.name.split(".")[0], "kernels": sum(counts.values()), "sources": counts})
+    shutil.rmtree(dump, ignore_errors=True)  # read: the dump goes (about 20 MB a run)
     functions = collections.Counter()
     lines = collections.Counter()
     for p in programs:

@@ -29,6 +29,7 @@ import argparse
 import collections
 import json
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -100,6 +101,8 @@ def main(argv=None) -> int:
     if Engine.compilations() != compiled:
         print("warning: the traced steps compiled a program (raise --warm-up)", file=sys.stderr)
     ops = sorted(op_times(trace_dir).items(), key=lambda kv: -kv[1][0])
+    if not args.trace_dir:  # read: the temporary trace goes (about 8 MB a run)
+        shutil.rmtree(trace_dir, ignore_errors=True)
     result = {"model": args.model, "concurrency": args.concurrency, "decode_steps": args.decode_steps,
               "quantize": args.quantize, "kv_cache_dtype": args.kv_cache_dtype, "prompt_tokens": args.prompt_tokens,
               "top_logprobs": args.top_logprobs,
@@ -109,7 +112,8 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result, indent=1))
         return 0
-    print(f"{n} steps, {result['wall_ms_per_step']} ms per step (wall); trace in {trace_dir}")
+    kept = f"; trace in {trace_dir}" if args.trace_dir else ""
+    print(f"{n} steps, {result['wall_ms_per_step']} ms per step (wall){kept}")
     for op in result["ops"]:
         print(f"{op['ms_per_step']:10.2f} ms/step  x{op['events_per_step']:7.1f}  {op['kind']}")
     return 0
