@@ -88,8 +88,7 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(config, items):
     """Put ``LONGEST_FIRST`` ahead of the rest, in its order (the rest keep theirs). A test marked with two
     xdist groups stops the run: xdist runs it in a third group (the names joined), where it shares compiled
-    programs with neither (a decorator left above a test inserted before its own did that to two engine tests,
-    30 s of compiles)."""
+    programs with neither."""
     twice = [item.nodeid for item in items if len(list(item.iter_markers("xdist_group"))) > 1]
     if twice:
         raise pytest.UsageError(f"tests marked with more than one xdist_group: {twice}")

@@ -95,8 +95,7 @@ def test_hits_from_the_host_give_the_dense_models_tokens(tmp_path):
     eng.load(tmp_path / "ckpt")
     assert eng.host_usage() == usage and serve_one(eng, later, 4)[::2] == then[0][::2]
     # Two step programs, the full and the lean one, each compiled once: the tier's arrays are committed to the
-    # device from the start, as a release, a restore or a load leaves them (an uncommitted tier made the first
-    # release's step compile the full program again).
+    # device from the start, as a release, a restore or a load leaves them.
     assert Engine.compilations() - compiled == 2
 
 

@@ -144,8 +144,8 @@ def init_host_tier(layout: Layout, buffers_like: tuple[jax.Array, ...], num_bloc
                          f"the {layout.num_groups} groups")
     unit = host_unit(layout, unit)
     # Every array committed to the first device, as the engine's state is: a program's first call then sees
-    # the placement of every later call (an uncommitted tier, committed once a program's output, made the
-    # step after the first release compile again).
+    # the placement of every later call (an uncommitted tier comes back committed from the first release, and
+    # the step programs would compile again).
     device = jax.devices()[0]
     pages = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
 
