@@ -18,8 +18,9 @@ of its item's tiles. It writes its own normalised output (in q's dtype) and the
 log of its softmax denominator (``m + log l``, f32); ``_combine`` then weighs
 each token's runs by their denominators (and the sink) in one XLA pass. One decode
 sequence has ``Hkv`` programs without a split: 8 of an H200's 132 SMs busy,
-each walking the whole context. ``default_splits`` fills the SMs, and a
-sliding window's item still splits only the tiles of its window.
+each walking the whole context. ``default_splits`` fills the SMs, with at
+most one run per tile an item can reach: a sliding window's or a chunk's
+tiles, not its table's (``item_keys``), so that no program runs empty.
 
 Prefill (``warpgroups=2``): two warpgroups per program, each with its own 64 query
 rows of a 128-row item, walk the same K/V tiles: warpgroup 0 issues the copies
@@ -145,16 +146,32 @@ def supports(q_dtype, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: in
     return YES
 
 
-def _item_splits(num_tokens: int, num_seqs: int, hkv: int, block_q: int, max_keys: int,
-                 sms: int | None) -> tuple[int, int]:
+def item_keys(table_keys: int, rows: int, params: AttentionParams | None) -> int:
+    """How many keys the 64-key tiles one work item of ``rows`` query tokens reaches hold at most: its
+    table's ``table_keys``, or fewer under a sliding window or a chunk, which bound the span from its first
+    row's first visible key to its last row (``W - 1 + rows`` or ``C - 1 + rows`` keys), plus a tile's
+    worth for where that span starts inside its first tile."""
+    span = table_keys
+    if params is not None and params.sliding_window is not None:
+        span = min(span, params.sliding_window - 1 + rows + KEYS - 1)
+    if params is not None and params.chunk_size is not None:
+        span = min(span, params.chunk_size - 1 + rows + KEYS - 1)
+    return span
+
+
+def _item_splits(num_tokens: int, num_seqs: int, hkv: int, block_q: int, table_keys: int,
+                 params: AttentionParams | None, sms: int | None) -> tuple[int, int]:
     """(busy items, ``default_splits``) of a call whose items hold ``block_q`` query tokens: each sequence
-    wastes at most one partial item (``ragged.work_items``), and at most one item a token is busy."""
+    wastes at most one partial item (``ragged.work_items``), and at most one item a token is busy. Its
+    split counts only the tiles an item can reach (``item_keys``): a sliding window's layer splits its
+    window, not its table, so it runs no empty programs and its combine reads fewer runs."""
     items = min(ragged.cdiv(num_tokens, block_q) + num_seqs, num_tokens)
-    return items, default_splits(items, hkv, max_keys, sms)
+    keys = item_keys(table_keys, min(block_q, num_tokens), params)
+    return items, default_splits(items, hkv, keys, sms)
 
 
 def default_warpgroups(num_tokens: int, num_seqs: int, num_q_heads: int, kv_pages_shape: tuple[int, ...], kv_dtype,
-                       max_blocks: int, sms: int | None = None) -> int:
+                       max_blocks: int, sms: int | None = None, params: AttentionParams | None = None) -> int:
     """Warpgroups per program (each 64 query rows of one item): 2 where the batch's sequences average
     enough query tokens to fill a 128-row item (``128 / G`` tokens: prefill chunks), two fit in shared
     memory, and their programs, one an SM at that size, context split as ``default_splits`` splits it,
@@ -167,18 +184,21 @@ def default_warpgroups(num_tokens: int, num_seqs: int, num_q_heads: int, kv_page
             or smem_bytes(d, max_blocks, jnp.dtype(kv_dtype).itemsize, 2) > SMEM_BYTES):
         return 1
     sms = sm_count() if sms is None else sms
-    items, splits = _item_splits(num_tokens, num_seqs, hkv, block_q, max_blocks * bs, sms)
+    items, splits = _item_splits(num_tokens, num_seqs, hkv, block_q, max_blocks * bs, params, sms)
     return 2 if items * hkv * splits >= FILL * sms else 1
 
 
 def launch(num_tokens: int, num_seqs: int, num_q_heads: int, kv_pages_shape: tuple[int, ...], kv_dtype,
-           max_blocks: int, *, warpgroups: int | None = None, splits: int | None = None) -> tuple[int, int]:
-    """``(warpgroups, splits)`` a call of these shapes runs with: each given, else its default on this GPU
+           max_blocks: int, *, warpgroups: int | None = None, splits: int | None = None,
+           params: AttentionParams | None = None) -> tuple[int, int]:
+    """``(warpgroups, splits)`` a call of these shapes (and attention ``params``: a window or chunk bounds
+    the keys an item splits, ``item_keys``) runs with: each given, else its default on this GPU
     (``default_warpgroups``, then ``default_splits`` for the items of that size). Raises ``ValueError`` for
     ``warpgroups`` other than 1 or 2, two that do not fit in shared memory, or ``splits < 1``."""
     _, _, hkv, bs, d = kv_pages_shape
     if warpgroups is None:
-        warpgroups = default_warpgroups(num_tokens, num_seqs, num_q_heads, kv_pages_shape, kv_dtype, max_blocks)
+        warpgroups = default_warpgroups(num_tokens, num_seqs, num_q_heads, kv_pages_shape, kv_dtype, max_blocks,
+                                        params=params)
     if warpgroups not in (1, 2):
         raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups}")
     need = smem_bytes(d, max_blocks, jnp.dtype(kv_dtype).itemsize, warpgroups)
@@ -187,7 +207,7 @@ def launch(num_tokens: int, num_seqs: int, num_q_heads: int, kv_pages_shape: tup
                          f"memory ({need} bytes)")
     if splits is None:
         block_q = warpgroups * ROWS // (num_q_heads // hkv)
-        splits = _item_splits(num_tokens, num_seqs, hkv, block_q, max_blocks * bs, None)[1]
+        splits = _item_splits(num_tokens, num_seqs, hkv, block_q, max_blocks * bs, params, None)[1]
     if splits < 1:
         raise ValueError(f"splits must be at least 1, got {splits}")
     return warpgroups, splits
@@ -473,7 +493,7 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     group = hq // hkv
     warpgroups, splits = launch(num_tokens, query_start_loc.shape[0] - 1, hq, kv_pages.shape, kv_pages.dtype,
                                 max_blocks, warpgroups=1 if interpret and warpgroups is None else warpgroups,
-                                splits=splits)
+                                splits=splits, params=params)
     rows_per_item = warpgroups * ROWS
     block_q = rows_per_item // group
     items = ragged.work_items(query_start_loc, num_tokens, block_q)

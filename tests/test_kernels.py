@@ -188,7 +188,8 @@ def test_mosaic_gpu_kernel_reads_fp8_pages_through_bf16_tiles(case):
 
 def test_mosaic_gpu_splits_a_long_decode_and_its_window_over_runs():
     """One decode over 300 keys (5 tiles) in 2-5 runs, with a sink and a soft cap, and with a 100-key window
-    (its runs split only the window's tiles); NaN in every page nothing references."""
+    (its runs split only the window's tiles; by default as many runs as the window can reach tiles); NaN in
+    every page nothing references."""
     bs, hkv, g, d, length = 16, 2, 2, 64, 300
     rng = np.random.default_rng(1)
     kv = rng.normal(size=(2, length, hkv, d)).astype(np.float32)
@@ -202,8 +203,11 @@ def test_mosaic_gpu_splits_a_long_decode_and_its_window_over_runs():
     q = rng.normal(size=(2, g * hkv, d)).astype(np.float32)  # the decode token and one padding row
     sinks = rng.normal(size=(g * hkv,)).astype(np.float32)
     as_bf16 = [np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (q[:1], kv[0], kv[1])]
-    for params, with_sinks, splits in [(AttentionParams(soft_cap=5.0), True, 2),
-                                       (AttentionParams(sliding_window=100), False, 5)]:
+    window = AttentionParams(sliding_window=100)
+    # By default the window's item splits its 1 + cdiv(99, 64) reachable tiles, not the table's 5.
+    assert mgpu.launch(2, 2, g * hkv, pages.shape, jnp.bfloat16, width, params=window) == (1, 3)
+    for params, with_sinks, splits in [(AttentionParams(soft_cap=5.0), True, 2), (window, False, 5),
+                                       (window, False, None)]:
         sk = sinks if with_sinks else None
         expected = np.zeros(q.shape, np.float32)
         expected[:1] = dense_attention(*as_bf16, params, sk)

@@ -128,13 +128,25 @@ def test_every_planned_shape_lowers_for_tpu_where_the_tpu_kernel_takes_it(shape)
 
 def test_a_lone_decode_splits_its_context_over_the_h200s_sms_and_lowers():
     """One sequence's decode has Hkv programs without a split: ``auto`` splits its keys so that the programs
-    fill the 132 SMs (capped by the table's 64-key tiles and MAX_SPLITS); a batch of 64 fills them alone."""
+    fill the 132 SMs (capped by the 64-key tiles an item can reach and MAX_SPLITS); a batch of 64 fills
+    them alone."""
     with use_abstract_mesh(H200):
         assert paged_attention_mgpu.sm_count() == 132
         assert paged_attention_mgpu.default_splits(1, 8, 32768) == 16
         assert paged_attention_mgpu.default_splits(1, 1, 32768) == paged_attention_mgpu.MAX_SPLITS
         assert paged_attention_mgpu.default_splits(1, 8, 128) == 2   # two 64-key tiles
         assert paged_attention_mgpu.default_splits(64, 8, 32768) == 1
+        # Gemma 3 at 32k: a 512-key window's item reaches at most 9 tiles, so it splits 9 ways, not 32
+        # (MAX_SPLITS, its full-attention layers'); a chunk bounds it the same way.
+        gemma = (N, 2, 1, 16, 256)
+
+        def splits(params, blocks=2048, tokens=1):
+            return paged_attention_mgpu.launch(tokens, 1, 4, gemma, jnp.bfloat16, blocks, params=params)[1]
+        assert splits(AttentionParams()) == paged_attention_mgpu.MAX_SPLITS
+        assert splits(AttentionParams(sliding_window=512)) == 9
+        assert splits(AttentionParams(sliding_window=512), tokens=16) == 10   # 16 query rows an item
+        assert splits(AttentionParams(chunk_size=256)) == 5
+        assert splits(AttentionParams(sliding_window=4096), blocks=16) == 4      # the table's 256 keys
     params = AttentionParams(sliding_window=128, soft_cap=30.0)
     q, pages = sd((1, 8, 128), jnp.bfloat16), sd((N, 2, 8, 16, 128), jnp.bfloat16)
     rest = (sd((1, MAX_BLOCKS), jnp.int32), sd((2,), jnp.int32), sd((1,), jnp.int32), sd((8,), jnp.float32))
