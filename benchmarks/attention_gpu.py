@@ -13,10 +13,13 @@ two warpgroups a program, whichever ``auto`` picks; not ``--smoke``), ``triton``
 implementation is first checked against the reference on a small case. Bytes = K and V of every page a
 sequence reads, plus q and out; bandwidth = bytes / median time; peak from the device's HBM spec. Prefill
 rows also give TFLOP/s: 4 x head size x query heads per (query, visible key) pair, over the median time.
+``--window W``: every layer a ``W``-token sliding window (Gemma 3's local layers), bytes those of the pages a
+window covers; for decode ``mosaic_gpu_table_splits`` then splits the context as if the table bounded it (as
+``auto`` did before a window bounded its runs), and JAX's kernel, which has no window, is left out.
 
 ``--smoke`` runs tiny cases on CPU (Pallas in interpret mode; times are meaningless there) so that CI
 keeps the script working. Run: ``python benchmarks/attention_gpu.py [--batch 1,8,64,256]
-[--context 1024,4096,32768] [--page 16,32,64] [--mode decode,prefill] [--kv-dtype fp8] [--json]``;
+[--context 1024,4096,32768] [--page 16,32,64] [--mode decode,prefill] [--kv-dtype fp8] [--window 512] [--json]``;
 ``--json`` prints each row as a JSON line as soon as it is timed (a run cut short keeps the rows it has).
 """
 
@@ -62,14 +65,19 @@ def make_case(batch: int, context: int, page: int, q_per_seq: int, seed: int = 0
 
 
 def case_bytes(batch: int, context: int, page: int, q_tokens: int, kv_heads=KV_HEADS, head=HEAD,
-               q_heads=Q_HEADS, kv_dtype=DTYPE) -> int:
-    kv = batch * -(-context // page) * page * 2 * kv_heads * head * jnp.dtype(kv_dtype).itemsize
+               q_heads=Q_HEADS, kv_dtype=DTYPE, window: int | None = None) -> int:
+    """K and V of the pages each sequence reads (under a ``window``, those its last ``q_tokens / batch``
+    queries' windows cover), plus q and out."""
+    pages = -(-context // page)
+    if window is not None:
+        first = max(0, context - q_tokens // batch - window + 1)  # the first query's first visible key
+        pages = (context - 1) // page - first // page + 1
+    kv = batch * pages * page * 2 * kv_heads * head * jnp.dtype(kv_dtype).itemsize
     return kv + 2 * q_tokens * q_heads * head * jnp.dtype(DTYPE).itemsize
 
 
-def implementations(mode: str, smoke: bool, kv_dtype=DTYPE):
-    """name -> fn(q, pages, tables, qsl, lens) for the implementations of ``mode``."""
-    params = AttentionParams()
+def implementations(mode: str, smoke: bool, kv_dtype=DTYPE, params: AttentionParams = AttentionParams()):
+    """name -> fn(q, pages, tables, qsl, lens) for the implementations of ``mode`` under ``params``."""
     def paged(impl):
         return lambda *a: kernels_pallas.paged_attention(*a, params, impl=impl, interpret=smoke)
     # On CPU "auto" is the reference; --smoke times the portable kernel under "ours" instead.
@@ -81,16 +89,30 @@ def implementations(mode: str, smoke: bool, kv_dtype=DTYPE):
         if mode == "decode":
             impls["mosaic_gpu"] = paged("mosaic_gpu")
             impls["mosaic_gpu_nosplit"] = mosaic(splits=1)
+            if params.sliding_window is not None:
+                impls["mosaic_gpu_table_splits"] = table_splits(smoke, params)
         else:  # "ours" runs the kernel as auto does; prefill cases fill the SMs without a split
             impls["mosaic_gpu_1wg"] = mosaic(warpgroups=1)
             if not smoke:  # interpreted, two warpgroups can starve each other on a small CPU (mgpu_warpgroups.py)
                 impls["mosaic_gpu_2wg"] = mosaic(warpgroups=2)
-    if mode == "decode" and jnp.dtype(kv_dtype) == jnp.dtype(DTYPE):  # JAX's kernel reads q's dtype only
+    if mode == "decode" and jnp.dtype(kv_dtype) == jnp.dtype(DTYPE) and params == AttentionParams():
+        # JAX's kernel reads q's dtype only, and has no window
         try:
             impls["jax"] = jax_paged_attention(smoke)
         except ImportError as e:  # JAX 0.12.1 dropped pallas.ops.gpu.paged_attention
             print(f"# JAX's own paged_attention left out: {e}", file=sys.stderr)
     return impls
+
+
+def table_splits(smoke: bool, params: AttentionParams):
+    """The Mosaic GPU kernel with its context split as the table alone would split it (``launch`` without
+    ``params``): a window's layer then runs programs that find no key in their run."""
+    def run(q, pages, tables, qsl, lens):
+        _, splits = paged_attention_mgpu.launch(q.shape[0], qsl.shape[0] - 1, q.shape[1], pages.shape, pages.dtype,
+                                                tables.shape[1], warpgroups=1 if smoke else None)
+        return paged_attention_mgpu.paged_attention(q, pages, tables, qsl, lens, params, interpret=smoke,
+                                                    splits=splits)
+    return run
 
 
 def jax_paged_attention(interpret: bool):
@@ -121,11 +143,12 @@ def jax_blocking(pages_per_seq: int, page: int) -> tuple[int, int]:
     return per_block, max(d for d in range(1, 17) if blocks % d == 0)
 
 
-def mosaic_form(batch: int, q_per_seq: int, context: int, page: int, kv_dtype=DTYPE, **given) -> dict:
+def mosaic_form(batch: int, q_per_seq: int, context: int, page: int, kv_dtype=DTYPE,
+                params: AttentionParams | None = None, **given) -> dict:
     """``{"warpgroups", "splits"}``: how the Mosaic GPU kernel runs a case (``paged_attention_mgpu.launch``:
-    ``given`` ones, else its defaults)."""
+    ``given`` ones, else its defaults under ``params``)."""
     wgs, splits = paged_attention_mgpu.launch(batch * q_per_seq, batch, Q_HEADS, (0, 2, KV_HEADS, page, HEAD),
-                                              kv_dtype, -(-context // page), **given)
+                                              kv_dtype, -(-context // page), params=params, **given)
     return {"warpgroups": wgs, "splits": splits}
 
 
@@ -147,11 +170,11 @@ def timed(fn, args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def check(impls, mode: str, kv_dtype=DTYPE) -> dict[str, float]:
+def check(impls, mode: str, kv_dtype=DTYPE, params: AttentionParams = AttentionParams()) -> dict[str, float]:
     """Max |impl - reference| on a small case per implementation (a failed check drops the impl)."""
     q_per = 1 if mode == "decode" else 8
     args = make_case(3, 128, 16, q_per, seed=1, kv_heads=2, q_heads=8, head=128, kv_dtype=kv_dtype)
-    want = np.asarray(reference.paged_attention(*args, AttentionParams()), np.float32)
+    want = np.asarray(reference.paged_attention(*args, params), np.float32)
     errs = {}
     for name, fn in list(impls.items()):
         try:
@@ -176,10 +199,12 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--kv-dtype", choices=("bfloat16", "fp8"), default="bfloat16", help="the pages' dtype (fp8: e4m3)")
+    p.add_argument("--window", type=int, default=None, help="a sliding window of this many tokens")
     p.add_argument("--smoke", action="store_true", help="tiny cases on CPU (interpret mode)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     kv_dtype = jnp.dtype(jnp.float8_e4m3fn if a.kv_dtype == "fp8" else DTYPE)
+    params = AttentionParams(sliding_window=a.window)
     if a.smoke:
         a.batch, a.context, a.page, a.repeats, a.prefill_chunk = "2", "64", "16", 1, 4
     dev = jax.devices()[0]
@@ -187,8 +212,8 @@ def main(argv=None) -> int:
     print(f"# device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
           f"peak HBM {peak / 1e12 if peak else float('nan'):.2f} TB/s", file=sys.stderr)
     for mode in a.mode.split(","):
-        impls = implementations(mode, a.smoke, kv_dtype)
-        errs = check(impls, mode, kv_dtype)
+        impls = implementations(mode, a.smoke, kv_dtype, params)
+        errs = check(impls, mode, kv_dtype, params)
         print(f"# {mode}: checked against the reference: "
               + ", ".join(f"{k} {v:.2g}" for k, v in errs.items() if k in impls), file=sys.stderr)
         q_per = 1 if mode == "decode" else a.prefill_chunk
@@ -196,7 +221,7 @@ def main(argv=None) -> int:
             for context in map(int, a.context.split(",")):
                 for batch in map(int, a.batch.split(",")):
                     args = make_case(batch, context, page, q_per, kv_dtype=kv_dtype)
-                    nbytes = case_bytes(batch, context, page, batch * q_per, kv_dtype=kv_dtype)
+                    nbytes = case_bytes(batch, context, page, batch * q_per, kv_dtype=kv_dtype, window=a.window)
                     for name, fn in impls.items():
                         if name == "xla" and nbytes * Q_HEADS // KV_HEADS * q_per > XLA_LIMIT:
                             continue
@@ -206,12 +231,14 @@ def main(argv=None) -> int:
                         row = {"mode": mode, "impl": name, "batch": batch, "context": context, "page": page,
                                "time_us": round(us, 1), "bytes": nbytes, "bandwidth_gbs": round(bw / 1e9, 1),
                                "peak_fraction": round(bw / peak, 3) if peak else None,
-                               "kv_dtype": kv_dtype.name, "device": dev.device_kind}
+                               "kv_dtype": kv_dtype.name, "device": dev.device_kind,
+                               **({"window": a.window} if a.window else {})}
                         if name.startswith("mosaic_gpu") or (name == "ours" and not a.smoke
                                                               and kernels_pallas.default_impl() == "mosaic_gpu"):
                             wgs = 1 if a.smoke or name.endswith("1wg") else 2 if name.endswith("2wg") else None
-                            row.update(mosaic_form(batch, q_per, context, page, kv_dtype, warpgroups=wgs,
-                                                   splits=1 if name.endswith("nosplit") else None))
+                            row.update(mosaic_form(batch, q_per, context, page, kv_dtype,
+                                                   None if name.endswith("table_splits") else params,
+                                                   warpgroups=wgs, splits=1 if name.endswith("nosplit") else None))
                         if mode == "prefill":
                             row["tflops"] = round(prefill_flops(batch, context, q_per) / (us * 1e-6) / 1e12, 2)
                         if a.json:

@@ -8,6 +8,9 @@ field:
   (and ``splits`` for the Mosaic GPU kernel), from ``attention_decode.jsonl`` and ``attention_decode_fp8.jsonl``;
 - ``attention_prefill``: ``impl``, ``batch``, ``context``, ``time_us``, ``tflops`` (and ``splits`` and
   ``warpgroups`` for the Mosaic GPU kernel), from ``attention_prefill.jsonl``;
+- ``attention_window``: ``attention_decode``'s fields and ``window``: decode under a sliding window, the
+  Mosaic GPU kernel's runs bounded by the window (``mosaic_gpu``) and by the table (``mosaic_gpu_table_splits``),
+  from ``window_decode.jsonl`` (the session's part 2);
 - ``decode_profile``: ``config``, ``batch``, ``context``, ``step_ms``, ``gpu_busy_ms``, ``kernels_per_step``,
   ``d2h_per_step``, ``d2h_wait_us_median``, ``xla_flags``,
   from ``decode_profile_cold.json``, and the step in XLA's CUDA graphs (wall time) from
@@ -42,6 +45,7 @@ from pathlib import Path
 FIELDS = {
     "attention_decode": ("impl", "batch", "context", "page", "time_us", "peak_fraction", "splits", "kv_dtype"),
     "attention_prefill": ("impl", "batch", "context", "page", "time_us", "tflops", "splits", "warpgroups"),
+    "attention_window": ("impl", "batch", "context", "page", "window", "time_us", "peak_fraction", "splits"),
     "decode_profile": ("config", "batch", "context", "decode_steps", "step_ms", "gpu_busy_ms", "kernels_per_step",
                        "d2h_per_step", "d2h_wait_us_median", "xla_flags", "top"),
     "projection": ("config", "program", "batch", "context", "measured_ms", "projected_ms", "measured_gb_per_s",
@@ -94,6 +98,7 @@ def collect(out: Path) -> tuple[list[dict], str | None]:
     for r in _json_lines(out / "parity.jsonl"):
         rows.append(_pick("parity", r))
         device = device or r.get("device")
+    rows.extend(_pick("attention_window", r) for r in _json_lines(out / "window_decode.jsonl"))
     rows.extend(_pick("hlo_kernels", r) for r in _json_lines(out / "hlo_kernels.json"))
     rows.extend(_pick("host_copy", r) for r in _json_lines(out / "host_copy.jsonl"))
     return rows, device

@@ -18,7 +18,9 @@
 #   4. host_copy: the host tier's in-step page copies down and up, GB/s;
 #   part 2:
 #   5. gpu_projection --measure: the Llama-3.1-8B-like decode step at B=64, 4k (two compiles of a 32-layer
-#      model, 64 prefills of 4k tokens), timed against its projected time.
+#      model, 64 prefills of 4k tokens), timed against its projected time;
+#   6. attention, decode under a 512-token sliding window at 32k: the Mosaic GPU kernel's runs bounded by the
+#      window (as auto splits it) against runs bounded by the table (last: a long step 5 may leave it no time).
 # Then gpu_results.py writes OUTDIR/results/<device>-<date>.json from what the steps wrote; for both parts'
 # rows in one file, or after a run cut short: python benchmarks/gpu_results.py PART1_OUTDIR PART2_OUTDIR.
 # Usage (repo root): bash benchmarks/gpu_session.sh [OUTDIR [PART]]   (OUTDIR: $OUT or /tmp/gpu_session;
@@ -83,6 +85,8 @@ if [ -z "$smoke" ] && [ "$part" != 1 ]; then
   step projection.json 540 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python benchmarks/gpu_projection.py \
     --configs llama-3.1-8b-like --devices h200 --batches 64 --contexts 4096 --programs decode_steps --measure \
     --repeats 8 --json
+  step window_decode.jsonl 40 python benchmarks/attention_gpu.py --mode decode --batch 1 --context 32768 \
+    --page 16 --window 512 --repeats 10 --json
 fi
 python benchmarks/gpu_results.py "$out" --commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
   --into "$out/results"

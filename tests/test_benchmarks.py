@@ -75,6 +75,25 @@ def test_attention_gpu_prefill_smoke_checks_and_times_both_warpgroup_forms(capsy
     assert attention_gpu.mosaic_form(1, 256, 4096, 16) == {"splits": 1, "warpgroups": 1}
 
 
+def test_attention_gpu_window_smoke_bounds_the_bytes_and_times_the_table_bounded_split(capsys):
+    """``attention_gpu.py --smoke --mode decode --window 24``: every implementation checked under the window,
+    JAX's kernel (no window) left out, the Mosaic GPU kernel also timed with its runs bounded by the table;
+    bytes count the pages the window covers (2 of each sequence's 4)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import attention_gpu
+
+    assert attention_gpu.main(["--smoke", "--mode", "decode", "--window", "24", "--json"]) == 0
+    out = capsys.readouterr()
+    assert "WRONG" not in out.err and "cannot run" not in out.err, out.err[-2000:]
+    rows = [json.loads(line) for line in out.out.splitlines() if line.startswith("{")]
+    assert {r["impl"] for r in rows} == {"ours", "triton", "xla", "mosaic_gpu", "mosaic_gpu_nosplit",
+                                         "mosaic_gpu_table_splits"}
+    assert all(r["window"] == 24 and r["time_us"] > 0 for r in rows)
+    assert {r["bytes"] for r in rows} == {attention_gpu.case_bytes(2, 64, 16, 2, window=24)}
+    assert attention_gpu.case_bytes(2, 64, 16, 2, window=24) < attention_gpu.case_bytes(2, 64, 16, 2)
+    assert attention_gpu.case_bytes(1, 100, 16, 1, window=24) == attention_gpu.case_bytes(1, 48, 16, 1)  # 3 pages
+
+
 def test_gpu_results_joins_the_sessions_two_parts_and_names_the_device_that_measured(tmp_path):
     """Part 2 of ``gpu_session.sh`` (the projection) runs in a device call of its own: ``gpu_results.py`` takes
     both folders into one file, and part 2's folder alone still names its device. A wrong part is refused."""
@@ -88,11 +107,14 @@ def test_gpu_results_joins_the_sessions_two_parts_and_names_the_device_that_meas
     projected = {"config": "llama-3.1-8b-like", "device": "h200", "batch": 64, "context": 4096, "projected_ms": 9.0}
     (two / "projection.json").write_text(json.dumps({"rows": [
         {**projected, "measured_ms": 10.5, "measured_on": "NVIDIA H200"}, {**projected, "batch": 1}]}) + "\n")
+    (two / "window_decode.jsonl").write_text(json.dumps({"mode": "decode", "impl": "mosaic_gpu", "batch": 1,
+                                                         "context": 32768, "window": 512, "splits": 9}) + "\n")
     assert gpu_results.main([str(one), str(two), "--into", str(into), "--commit", "abc"]) == 0
     [both] = into.glob("*.json")
     got = json.loads(both.read_text())
     assert both.name.startswith("h100-") and got["device"] == "NVIDIA H100 80GB HBM3"  # part 1's, read first
-    assert [r["bench"] for r in got["rows"]] == ["parity", "projection"]  # the unmeasured row left out
+    assert [r["bench"] for r in got["rows"]] == ["parity", "projection", "attention_window"]  # unmeasured: out
+    assert got["rows"][2]["window"] == 512 and got["rows"][2]["splits"] == 9
     assert got["rows"][1]["measured_ms"] == 10.5 and got["rows"][1]["measured_on"] == "NVIDIA H200"
     both.unlink()
     assert gpu_results.main([str(two), "--into", str(into)]) == 0
