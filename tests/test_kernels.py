@@ -204,7 +204,7 @@ def test_mosaic_gpu_splits_a_long_decode_and_its_window_over_runs():
     sinks = rng.normal(size=(g * hkv,)).astype(np.float32)
     as_bf16 = [np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (q[:1], kv[0], kv[1])]
     window = AttentionParams(sliding_window=100)
-    # By default the window's item splits its 1 + cdiv(99, 64) reachable tiles, not the table's 5.
+    # By default an item splits the 3 tiles its 100-key window (and 2 query rows) can reach, not the table's 5.
     assert mgpu.launch(2, 2, g * hkv, pages.shape, jnp.bfloat16, width, params=window) == (1, 3)
     for params, with_sinks, splits in [(AttentionParams(soft_cap=5.0), True, 2), (window, False, 5),
                                        (window, False, None)]:
