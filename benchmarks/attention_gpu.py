@@ -19,7 +19,8 @@ window covers; for decode ``mosaic_gpu_table_splits`` then splits the context as
 
 ``--smoke`` runs tiny cases on CPU (Pallas in interpret mode; times are meaningless there) so that CI
 keeps the script working. Run: ``python benchmarks/attention_gpu.py [--batch 1,8,64,256]
-[--context 1024,4096,32768] [--page 16,32,64] [--mode decode,prefill] [--kv-dtype fp8] [--window 512] [--json]``;
+[--context 1024,4096,32768] [--page 16,32,64] [--mode decode,prefill] [--kv-dtype fp8] [--window 512]
+[--impls ours,mosaic_gpu] [--json]``;
 ``--json`` prints each row as a JSON line as soon as it is timed (a run cut short keeps the rows it has).
 """
 
@@ -200,6 +201,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--kv-dtype", choices=("bfloat16", "fp8"), default="bfloat16", help="the pages' dtype (fp8: e4m3)")
     p.add_argument("--window", type=int, default=None, help="a sliding window of this many tokens")
+    p.add_argument("--impls", default=None, help="time only these implementations (comma-separated names)")
     p.add_argument("--smoke", action="store_true", help="tiny cases on CPU (interpret mode)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
@@ -213,6 +215,11 @@ def main(argv=None) -> int:
           f"peak HBM {peak / 1e12 if peak else float('nan'):.2f} TB/s", file=sys.stderr)
     for mode in a.mode.split(","):
         impls = implementations(mode, a.smoke, kv_dtype, params)
+        if a.impls is not None:
+            wanted = a.impls.split(",")
+            if unknown := [name for name in wanted if name not in impls]:
+                p.error(f"--impls: no {', '.join(unknown)} for {mode} here; choose from {', '.join(impls)}")
+            impls = {name: impls[name] for name in wanted}
         errs = check(impls, mode, kv_dtype, params)
         print(f"# {mode}: checked against the reference: "
               + ", ".join(f"{k} {v:.2g}" for k, v in errs.items() if k in impls), file=sys.stderr)

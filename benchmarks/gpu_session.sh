@@ -86,7 +86,7 @@ if [ -z "$smoke" ] && [ "$part" != 1 ]; then
     --configs llama-3.1-8b-like --devices h200 --batches 64 --contexts 4096 --programs decode_steps --measure \
     --repeats 8 --json
   step window_decode.jsonl 40 python benchmarks/attention_gpu.py --mode decode --batch 1 --context 32768 \
-    --page 16 --window 512 --repeats 10 --json
+    --page 16 --window 512 --impls ours,mosaic_gpu,mosaic_gpu_table_splits --repeats 10 --json
 fi
 python benchmarks/gpu_results.py "$out" --commit "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
   --into "$out/results"

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -76,22 +78,26 @@ def test_attention_gpu_prefill_smoke_checks_and_times_both_warpgroup_forms(capsy
 
 
 def test_attention_gpu_window_smoke_bounds_the_bytes_and_times_the_table_bounded_split(capsys):
-    """``attention_gpu.py --smoke --mode decode --window 24``: every implementation checked under the window,
-    JAX's kernel (no window) left out, the Mosaic GPU kernel also timed with its runs bounded by the table;
-    bytes count the pages the window covers (2 of each sequence's 4)."""
+    """``attention_gpu.py --smoke --mode decode --window 24`` (the implementations ``gpu_session.sh`` times
+    under it): each checked under the window, the Mosaic GPU kernel also timed with its runs bounded by the
+    table; bytes count the pages the window covers (2 of each sequence's 4). JAX's kernel has no window, and
+    ``--impls`` refuses a name it does not have."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import attention_gpu
 
-    assert attention_gpu.main(["--smoke", "--mode", "decode", "--window", "24", "--json"]) == 0
+    impls = ["--impls", "ours,mosaic_gpu,mosaic_gpu_table_splits"]
+    assert attention_gpu.main(["--smoke", "--mode", "decode", "--window", "24", *impls, "--json"]) == 0
     out = capsys.readouterr()
     assert "WRONG" not in out.err and "cannot run" not in out.err, out.err[-2000:]
     rows = [json.loads(line) for line in out.out.splitlines() if line.startswith("{")]
-    assert {r["impl"] for r in rows} == {"ours", "triton", "xla", "mosaic_gpu", "mosaic_gpu_nosplit",
-                                         "mosaic_gpu_table_splits"}
+    assert [r["impl"] for r in rows] == ["ours", "mosaic_gpu", "mosaic_gpu_table_splits"]
     assert all(r["window"] == 24 and r["time_us"] > 0 for r in rows)
     assert {r["bytes"] for r in rows} == {attention_gpu.case_bytes(2, 64, 16, 2, window=24)}
     assert attention_gpu.case_bytes(2, 64, 16, 2, window=24) < attention_gpu.case_bytes(2, 64, 16, 2)
     assert attention_gpu.case_bytes(1, 100, 16, 1, window=24) == attention_gpu.case_bytes(1, 48, 16, 1)  # 3 pages
+    with pytest.raises(SystemExit):
+        attention_gpu.main(["--smoke", "--mode", "decode", "--window", "24", "--impls", "jax"])
+    assert "--impls: no jax for decode here" in capsys.readouterr().err
 
 
 def test_gpu_results_joins_the_sessions_two_parts_and_names_the_device_that_measured(tmp_path):
