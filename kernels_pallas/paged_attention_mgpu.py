@@ -151,12 +151,8 @@ def item_keys(table_keys: int, rows: int, params: AttentionParams | None) -> int
     table's ``table_keys``, or fewer under a sliding window or a chunk, which bound the span from its first
     row's first visible key to its last row (``W - 1 + rows`` or ``C - 1 + rows`` keys), plus a tile's
     worth for where that span starts inside its first tile."""
-    span = table_keys
-    if params is not None and params.sliding_window is not None:
-        span = min(span, params.sliding_window - 1 + rows + KEYS - 1)
-    if params is not None and params.chunk_size is not None:
-        span = min(span, params.chunk_size - 1 + rows + KEYS - 1)
-    return span
+    bounds = () if params is None else (params.sliding_window, params.chunk_size)
+    return min([table_keys] + [b - 1 + rows + KEYS - 1 for b in bounds if b is not None])
 
 
 def _item_splits(num_tokens: int, num_seqs: int, hkv: int, block_q: int, table_keys: int,
