@@ -173,8 +173,9 @@ def layer_errors(model, ids: list[int]) -> list[dict]:
 
     rows, x, positions = [], model._embed(jnp.asarray(ids)), jnp.arange(len(ids))
     for i, layer in enumerate(model.layers):
-        _, k, values = layer.self_attn._qkv(layer.input_layernorm(x), positions)
-        v = take_heads(values, model.cfg.num_kv_heads)
+        h = layer.input_layernorm(x)
+        k = layer.self_attn.keys(h, positions)
+        v = take_heads(layer.self_attn._qkv(h, positions)[3], model.cfg.num_kv_heads)
         row = {"layer": i}
         for name, t in (("k", np.asarray(k, np.float32)), ("v", np.asarray(v, np.float32))):
             rms, top = np.sqrt((t ** 2).mean()), float(np.abs(t).max())

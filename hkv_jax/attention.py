@@ -35,6 +35,7 @@ from hkv_jax.cache import (
     store_page_view,
 )
 from hkv_jax.planner import KVCacheConfig
+from kernels_pallas.key_finish import KeyFinish
 from kernels_pallas.positions import query_positions
 from kernels_pallas.reference import AttentionParams
 
@@ -130,23 +131,25 @@ def layer_params(cache: KVCache, layer: str, *, sm_scale: float | None = None,
 
 
 def attention(layer: str, q: jax.Array, k: jax.Array | None, v: jax.Array | None, cache: KVCache,
-              metadata: AttentionMetadata, *, v_head: int = 0, sinks: jax.Array | None = None,
-              sm_scale: float | None = None, soft_cap: float | None = None,
+              metadata: AttentionMetadata, *, k_head: int = 0, v_head: int = 0, k_finish: KeyFinish | None = None,
+              sinks: jax.Array | None = None, sm_scale: float | None = None, soft_cap: float | None = None,
               impl: str = "auto", interpret: bool = False) -> tuple[jax.Array, KVCache]:
     """KV write + ragged paged attention of ``layer``: ``(out [T, Hq, D], cache)``.
 
-    ``q: [T, Hq, D]``; ``k: [T, Hkv, D]`` and ``v`` (``None`` for a KV-sharing layer): the values are heads
-    ``[v_head, v_head + Hkv)`` of ``v: [T, H, D]`` (its first ``T`` rows where it has more), so a model may
-    pass its fused QKV product's output, which the KV write then reads in place. Rows past
+    ``q: [T, Hq, D]``; ``k`` and ``v`` (``None`` for a KV-sharing layer): the keys are heads
+    ``[k_head, k_head + Hkv)`` of ``k: [T, H, D]`` and the values heads ``[v_head, v_head + Hkv)`` of
+    ``v`` (their first ``T`` rows where they have more), so a model may pass its fused QKV product's output,
+    which the KV write then reads in place. ``k_finish``: those keys are raw, and the write finishes them
+    (``kernels_pallas.KeyFinish``: RMSNorm, RoPE; on a GPU inside the write's kernel). Rows past
     ``metadata.num_tokens`` (a model's padding rows: ``real_tokens``) are padding tokens: not written,
     zeros out. ``sinks: f32[Hq]`` are gpt-oss attention-sink logits. ``impl`` picks the kernel
     (``kernels_pallas``). Donate the cache in the enclosing jit so the write happens in place.
     """
-    if q.shape[0] != metadata.num_tokens:  # v keeps its rows: the KV write reads the first T
-        return real_tokens(lambda q, k: attention(layer, q, k, v, cache, metadata, v_head=v_head, sinks=sinks,
-                                                  sm_scale=sm_scale, soft_cap=soft_cap, impl=impl,
-                                                  interpret=interpret),
-                           metadata, q, k)
+    if q.shape[0] != metadata.num_tokens:  # k and v keep their rows: the KV write reads the first T
+        return real_tokens(lambda q: attention(layer, q, k, v, cache, metadata, k_head=k_head, v_head=v_head,
+                                               k_finish=k_finish, sinks=sinks, sm_scale=sm_scale,
+                                               soft_cap=soft_cap, impl=impl, interpret=interpret),
+                           metadata, q)
     slot = cache.layout.slot(layer)
     if (k is None) != (v is None):
         raise ValueError(f"layer {layer!r}: give both k and v, or neither (KV sharing)")
@@ -154,7 +157,10 @@ def attention(layer: str, q: jax.Array, k: jax.Array | None, v: jax.Array | None
     shards = cache.layout.tensor_shards(slot.tensor)
     table, slots = part_pages(slot, metadata.block_tables[slot.group_id], metadata.slot_mappings[slot.group_id])
     if _splits_heads(slot, shards, q.shape[1]):
-        v = None if v is None else v[:q.shape[0], v_head:v_head + slot.spec.num_kv_heads]
+        if k is not None:  # each device's heads, finished before the split
+            t, hkv = q.shape[0], slot.spec.num_kv_heads
+            k, v = k[:t, k_head:k_head + hkv], v[:t, v_head:v_head + hkv]
+            k = k if k_finish is None else k_finish.apply(k)
         return _sharded(slot, shards, q, k, v, cache, metadata, table, slots, sinks, params, impl, interpret)
     if shards > 1:
         raise ValueError(f"layer {layer!r}: its KV is split {shards} ways but no mesh with a 'model' axis "
@@ -165,8 +171,8 @@ def attention(layer: str, q: jax.Array, k: jax.Array | None, v: jax.Array | None
         lambda x: jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec()))
     kv = whole(layer_kv(cache, layer))
     if k is not None:
-        kv = whole(kernels_pallas.kv_write(kv, whole(k), whole(v), slots, v_head=v_head, impl=impl,
-                                           interpret=interpret))
+        kv = whole(kernels_pallas.kv_write(kv, whole(k), whole(v), slots, k_head=k_head, v_head=v_head,
+                                           k_finish=k_finish, impl=impl, interpret=interpret))
         cache = set_layer_kv(cache, layer, kv)
     out = kernels_pallas.paged_attention(
         q, kv, table, metadata.query_start_loc, metadata.seq_lens, params, sinks, impl=impl, interpret=interpret)

@@ -42,6 +42,7 @@ from kernels_pallas import (
     paged_attention_tpu,
     reference,
 )
+from kernels_pallas.key_finish import KeyFinish
 from kernels_pallas.reference import AttentionParams
 from kernels_pallas.support import YES, Support
 
@@ -130,11 +131,14 @@ def paged_attention(q, kv_pages, block_tables, query_start_loc, seq_lens, params
     return paged_attention_portable.paged_attention(q, *args, interpret=interpret)
 
 
-def kv_write(kv_pages, k, v, slots, *, v_head: int = 0, impl: str = "auto", interpret: bool = False):
-    """Store new K/V at their slots with the chosen implementation (see ``reference.kv_write``). The values
-    are heads ``[v_head, v_head + Hkv)`` of the first ``T`` rows of ``v`` (``kv_write_portable.kv_write``):
-    a fused QKV product's output, which the Pallas write reads in place (a copy of its columns would be a
-    kernel of its own on a GPU).
+def kv_write(kv_pages, k, v, slots, *, k_head: int = 0, v_head: int = 0, k_finish: KeyFinish | None = None,
+             impl: str = "auto", interpret: bool = False):
+    """Store new K/V at their slots with the chosen implementation (see ``reference.kv_write``). The keys
+    are heads ``[k_head, k_head + Hkv)`` and the values heads ``[v_head, v_head + Hkv)`` of the first ``T``
+    rows (``T``: the slots) of ``k`` and ``v`` (``kv_write_portable.kv_write``): a fused QKV product's
+    output, which the Pallas write reads in place (a copy of its columns would be a kernel of its own on a
+    GPU). ``k_finish``: the keys are raw, and are finished (``KeyFinish``: RMSNorm, RoPE) before they are
+    stored; the Pallas write does it as it stores them (a kernel fewer on a GPU).
 
     The Hopper path uses the portable Pallas write: a scatter of a few rows per
     token is bound by memory latency, not by the instructions that issue it.
@@ -146,14 +150,18 @@ def kv_write(kv_pages, k, v, slots, *, v_head: int = 0, impl: str = "auto", inte
     else:
         kernel = impl in ("triton", "mosaic_gpu", "triton_interpret")
         interpret |= impl == "triton_interpret"
-    num_tokens, hkv, _ = k.shape
+    num_tokens, hkv = slots.shape[0], kv_pages.shape[2]
+    if kernel and not reference.is_fp8(kv_pages.dtype):
+        return kv_write_portable.kv_write(kv_pages, k, v, slots, interpret=interpret, k_head=k_head,
+                                          v_head=v_head, k_finish=k_finish)
+    k, v = k[:num_tokens, k_head:k_head + hkv], v[:num_tokens, v_head:v_head + hkv]
+    k = k if k_finish is None else k_finish.apply(k)
     if not kernel:
-        return reference.kv_write(kv_pages, k, v[:num_tokens, v_head:v_head + hkv], slots)
-    if reference.is_fp8(kv_pages.dtype):  # saturated here (``to_page_dtype``): the kernel's store is a plain cast
-        k, v, v_head = (reference.to_page_dtype(k, kv_pages.dtype),
-                        reference.to_page_dtype(v[:num_tokens, v_head:v_head + hkv], kv_pages.dtype), 0)
-    return kv_write_portable.kv_write(kv_pages, k, v, slots, interpret=interpret, v_head=v_head)
+        return reference.kv_write(kv_pages, k, v, slots)
+    # fp8 pages: saturated here (``to_page_dtype``), so that the kernel's store is a plain cast.
+    k, v = (reference.to_page_dtype(x, kv_pages.dtype) for x in (k, v))
+    return kv_write_portable.kv_write(kv_pages, k, v, slots, interpret=interpret)
 
 
-__all__ = ["AttentionParams", "IMPLS", "blocked", "choose", "default_impl", "kv_write", "paged_attention",
+__all__ = ["AttentionParams", "IMPLS", "KeyFinish", "blocked", "choose", "default_impl", "kv_write", "paged_attention",
            "reference"]

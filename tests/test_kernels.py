@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -289,6 +290,45 @@ def test_kv_write_kernel_equals_reference(seed, bs, dtype):
         np.testing.assert_array_equal(np.asarray(out[s // bs, 0, :, s % bs], np.float32),
                                       np.asarray(reference.to_page_dtype(k[list(slots).index(s)], dtype), np.float32))
     assert not (changed & ~written).any()
+
+
+@settings(max_examples=8, **SETTINGS)
+@given(st.integers(0, 2**31 - 1), st.sampled_from(["float32", "bfloat16"]), st.sampled_from(["float32", "bfloat16"]),
+       st.booleans(), st.booleans(), st.sampled_from([0.0, 1.0]))
+def test_kv_write_finishes_raw_keys_as_the_model_layers_do(seed, page_dtype, raw_dtype, norm, rotate, offset):
+    """Raw keys read in place (heads 1-2 of a wider array with a row more) and finished in the portable
+    kernel's store (interpret mode) are what the models' own layers make of them, RMSNorm over the whole
+    vector then ``layers.rope``, written by the jnp scatter: within float32 rounding, which (the norm sums
+    the halves apart) may move a bfloat16 value by one step, rarely."""
+    import kernels_pallas
+    from hkv_jax.models.layers import rope
+    from kernels_pallas.key_finish import KeyFinish, rope_frequencies
+
+    rng = np.random.default_rng(seed)
+    n, hkv, d, t, bs, theta = 4, 2, 32, 5, 8, 10_000.0
+    pages = jnp.asarray(rng.normal(size=(n, 2, hkv, bs, d)), page_dtype)
+    heads = jnp.asarray(rng.normal(size=(t + 1, 5, d)) * 4, raw_dtype)
+    positions = jnp.asarray(rng.integers(0, 40_000, t + 1), jnp.int32)
+    weight = jnp.asarray(rng.normal(size=d) * 0.5, jnp.float32)
+    slots = rng.choice(np.arange(bs, n * bs), size=t, replace=False)
+    slots[rng.random(t) < 0.3] = -1
+    finish = KeyFinish(positions, weight if norm else None, rope_frequencies(d, theta) if rotate else None,
+                       norm_offset=offset, eps=1e-6)
+
+    k = heads[:t, 1:3]
+    if norm:
+        k32 = k.astype(jnp.float32)
+        scale = jax.lax.rsqrt(jnp.mean(k32 * k32, axis=-1, keepdims=True) + 1e-6)
+        k = (k32 * scale * (offset + weight)).astype(k.dtype)
+    k = rope(k, positions[:t], theta) if rotate else k
+    expected = reference.kv_write(pages, k, heads[:t, 3:5], jnp.asarray(slots))
+    for impl in ("triton_interpret", "reference"):
+        out = kernels_pallas.kv_write(pages, heads, heads, jnp.asarray(slots), k_head=1, v_head=3, k_finish=finish,
+                                      impl=impl)
+        out, want = np.asarray(out, np.float32), np.asarray(expected, np.float32)
+        exact = page_dtype == "float32"
+        np.testing.assert_allclose(out, want, rtol=2e-6 if exact else 2**-7, atol=2e-6 if exact else 0)
+        assert exact or (out == want).mean() > 0.99
 
 
 def test_dispatch_picks_by_platform_and_refuses_unknown_impls():

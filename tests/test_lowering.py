@@ -28,6 +28,7 @@ from hkv_jax.planner import plan
 from hkv_jax.program_audit import PoolAudit, audit_pool
 from hkv_jax.spec import AttentionSpec
 from kernels_pallas import kv_write_portable, paged_attention_mgpu, paged_attention_portable, paged_attention_tpu
+from kernels_pallas.key_finish import KeyFinish, rope_frequencies
 from kernels_pallas.reference import AttentionParams
 
 # One worker runs this module's tests in a row and keeps their compiled programs (docs/testing.md).
@@ -107,6 +108,12 @@ def test_every_planned_shape_lowers_with_the_kernel_auto_picks_on_hopper(shape):
     text = lower_for(H200, lambda p, k, s: kernels_pallas.kv_write(p, k, k, s, impl="triton"), pages, k,
                           sd((T,), jnp.int32))
     assert "triton" in text
+
+    def finished(p, k, s, positions, weight):  # raw keys normed and rotated in the write (Gemma's K)
+        finish = KeyFinish(positions, weight, rope_frequencies(d, 10_000.0), norm_offset=1.0)
+        return kernels_pallas.kv_write(p, k, k, s, k_finish=finish, impl="triton")
+    assert "triton" in lower_for(H200, finished, pages, k, sd((T,), jnp.int32), sd((T,), jnp.int32),
+                                 sd((d,), jnp.float32))
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES), ids=lambda s: "hq{}-hkv{}-d{}-bs{}".format(*s))

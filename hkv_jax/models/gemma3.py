@@ -26,7 +26,7 @@ from flax import nnx
 from hkv_jax.attention import AttentionMetadata, attention, pad_rows
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
-from hkv_jax.models.key_centre import KeyCentre, centred, shift_invariant
+from hkv_jax.models.key_centre import KeyCentre, keys_to_write, shift_invariant
 from hkv_jax.models.layers import (
     Heads,
     Linear,
@@ -41,6 +41,7 @@ from hkv_jax.models.layers import (
     two_rows_at_least,
 )
 from hkv_jax.spec import LayerSpec
+from kernels_pallas.key_finish import KeyFinish, rope_frequencies
 from kernels_pallas.reference import is_fp8
 
 
@@ -113,13 +114,20 @@ class Attention(nnx.Module):
         self.key_centre = (KeyCentre(jnp.zeros((cfg.num_kv_heads, d), jnp.float32))
                            if shift_invariant(cfg.attn_soft_cap, None) else None)
 
-    def _qkv(self, x, positions) -> tuple[jax.Array, jax.Array, Heads]:
-        """Queries and keys (normed, rotated), and where the values are (``layers.projected_heads``: on one
-        device among all three projections' heads, which the KV write reads in place)."""
+    def _qkv(self, x, positions) -> tuple[jax.Array, Heads, KeyFinish, Heads]:
+        """Queries (normed, rotated), the raw keys and their finish (the K norm and RoPE, which the KV write
+        applies: ``KeyFinish``), and where the values are (``layers.projected_heads``: on one device among all
+        three projections' heads, which the KV write reads in place)."""
         cfg = self.cfg
         q, k, v = projected_heads((self.q_proj, self.k_proj, self.v_proj), x, cfg.head_dim)
-        q, k = self.q_norm(take_heads(q, cfg.num_heads)), self.k_norm(take_heads(k, cfg.num_kv_heads))
-        return rope(q, positions, self.theta), rope(k, positions, self.theta), v
+        finish = KeyFinish(positions, self.k_norm.weight[...], rope_frequencies(cfg.head_dim, self.theta),
+                           norm_offset=1.0, eps=self.k_norm.eps)
+        return rope(self.q_norm(take_heads(q, cfg.num_heads)), positions, self.theta), k, finish, v
+
+    def keys(self, x, positions) -> jax.Array:
+        """The finished keys ``[T, Hkv, D]`` of inputs ``x: [T, hidden]`` at ``positions``."""
+        _, k, finish, _ = self._qkv(x, positions)
+        return finish.apply(take_heads(k, self.cfg.num_kv_heads))
 
     @property
     def rope_theta(self) -> float:
@@ -133,22 +141,25 @@ class Attention(nnx.Module):
 
     def dense(self, x):
         """Causal attention over one whole sequence, uncached."""
-        q, k, v = self._qkv(x, jnp.arange(x.shape[0]))
-        out = dense_attention(q, k, take_heads(v, self.cfg.num_kv_heads), window=self.window, chunk=None,
+        q, k, finish, v = self._qkv(x, jnp.arange(x.shape[0]))
+        k, v = finish.apply(take_heads(k, self.cfg.num_kv_heads)), take_heads(v, self.cfg.num_kv_heads)
+        out = dense_attention(q, k, v, window=self.window, chunk=None,
                               soft_cap=self.cfg.attn_soft_cap, sinks=None, scale=self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
     def paged(self, x, positions, cache: KVCache, metadata: AttentionMetadata, impl: str):
         """A ragged batch through the paged cache: KV write, then attention."""
-        q, k, (values, v_head) = self._qkv(x, positions)
+        q, k, finish, (values, v_head) = self._qkv(x, positions)
         dt = jnp.dtype(cache.layout.slot(self.name).spec.dtype)
-        k = centred(k, self.key_centre, dt)
+        k, k_head, finish = keys_to_write(k, finish, self.cfg.num_kv_heads, self.key_centre, dt)
         # Over bfloat16/float32 pages the attention runs in the pages' dtype; over fp8 pages in the model's:
         # the KV write rounds K/V (saturating), the kernels read the pages up to the queries' dtype, and the
-        # queries and the output are not rounded.
+        # queries and the output are not rounded. The raw keys keep the model's dtype: the write rounds them
+        # once finished.
         dt = x.dtype if is_fp8(dt) else dt
-        out, cache = attention(self.name, q.astype(dt), k.astype(dt), values.astype(dt), cache, metadata,
-                               v_head=v_head, sm_scale=self.scale, soft_cap=self.cfg.attn_soft_cap, impl=impl)
+        out, cache = attention(self.name, q.astype(dt), k, values.astype(dt), cache, metadata, k_head=k_head,
+                               k_finish=finish, v_head=v_head, sm_scale=self.scale,
+                               soft_cap=self.cfg.attn_soft_cap, impl=impl)
         return self.o_proj(out.astype(x.dtype).reshape(x.shape[0], -1)), cache
 
 

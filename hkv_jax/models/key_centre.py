@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hkv_jax.models.layers import rope
+from hkv_jax.models.layers import Heads, rope, take_heads
+from kernels_pallas.key_finish import KeyFinish
 from kernels_pallas.reference import is_fp8
 
 # Positions at which ``position_average`` rotates a mean (spread evenly over ``[0, max_len)``).
@@ -110,6 +111,16 @@ def position_average(mean: jax.Array, theta: float | None, max_len: int) -> jax.
     return rope(jnp.broadcast_to(mean, (positions.shape[0], *mean.shape)), positions, theta).mean(0)
 
 
+def keys_to_write(k: Heads, finish: KeyFinish, num_kv_heads: int, centre: KeyCentre | None,
+                  page_dtype) -> tuple[jax.Array, int, KeyFinish | None]:
+    """What an attention layer hands ``attention`` as its keys (``k``, ``k_head``, ``k_finish``): its raw key
+    heads ``k`` and their ``finish``, which the KV write applies (on a GPU inside its kernel); over fp8 pages
+    with a centre, keys finished and centred here (the centre comes after the finish)."""
+    if centre is None or not is_fp8(page_dtype):
+        return *k, finish
+    return centred(finish.apply(take_heads(k, num_kv_heads)), centre, page_dtype), 0, None
+
+
 def centred(k: jax.Array, centre: KeyCentre | None, page_dtype) -> jax.Array:
     """Keys as an fp8 page stores them: minus the layer's centre over fp8 pages, as they are otherwise."""
     if centre is None or not is_fp8(page_dtype):
@@ -129,7 +140,7 @@ def calibrate_key_centres(model: nnx.Module, ids: list[int], max_len: int) -> No
     if not ids or max_len < 1:
         raise ValueError(f"calibration needs token ids and max_len >= 1, got {len(ids)} ids, max_len {max_len}")
     for attn, x in model.key_centre_inputs(jnp.asarray(ids, jnp.int32)):
-        _, k, _ = attn._qkv(x, jnp.zeros(x.shape[0], jnp.int32))  # position 0: RoPE is the identity
+        k = attn.keys(x, jnp.zeros(x.shape[0], jnp.int32))  # position 0: RoPE is the identity
         # The first token (BOS in most models) is an attention sink with outlying keys: one token of a long
         # sequence, left out of the mean.
         k = k[1:] if k.shape[0] > 1 else k

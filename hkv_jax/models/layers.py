@@ -9,6 +9,7 @@ from flax import nnx
 
 from hkv_jax.attention import pad_rows
 from kernels_pallas import target_device
+from kernels_pallas.key_finish import rope_frequencies, rotate_halves
 
 
 def two_rows_at_least(product, x: jax.Array) -> jax.Array:
@@ -103,11 +104,8 @@ def capped(x: jax.Array, cap: float | None) -> jax.Array:
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotary embedding of ``x: [T, H, D]`` at ``positions: i32[T]`` (half-split convention)."""
     half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    ang = positions[:, None, None].astype(jnp.float32) * freq
-    x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    halves = rotate_halves(x[..., :half], x[..., half:], positions[:, None, None], rope_frequencies(2 * half, theta))
+    return jnp.concatenate(halves, axis=-1).astype(x.dtype)
 
 
 # Query rows whose scores ``dense_attention`` makes at a time in a long sequence: ``[Hq, 512, L]`` scores

@@ -31,7 +31,7 @@ from flax import nnx
 from hkv_jax.attention import AttentionMetadata, attention, pad_rows
 from hkv_jax.cache import KVCache
 from hkv_jax.models.hf_config import layers_from_hf_config, text_config
-from hkv_jax.models.key_centre import KeyCentre, centred, shift_invariant
+from hkv_jax.models.key_centre import KeyCentre, centred, keys_to_write, shift_invariant
 from hkv_jax.models.layers import (
     Heads,
     Linear,
@@ -45,6 +45,7 @@ from hkv_jax.models.layers import (
 )
 from hkv_jax.models.mamba2 import Mamba2, Mamba2Config
 from hkv_jax.spec import LayerSpec
+from kernels_pallas.key_finish import KeyFinish, rope_frequencies
 from kernels_pallas.reference import to_page_dtype
 
 
@@ -147,19 +148,27 @@ class Attention(nnx.Module):
         """The RoPE base of this layer's keys, ``None`` for a layer without RoPE."""
         return self.cfg.rope_theta if not self.cfg.rope or self.cfg.rope[self.index] else None
 
-    def _qkv(self, x, positions) -> tuple[jax.Array, jax.Array | None, Heads | None]:
-        """Queries, keys and where the values are (``layers.projected_heads``; the raw keys where keys serve
+    def _qkv(self, x, positions) -> tuple[jax.Array, Heads | None, KeyFinish, Heads | None]:
+        """Queries, the raw keys and their finish (the K norm and RoPE, which the KV write applies:
+        ``KeyFinish``), and where the values are (``layers.projected_heads``; the raw keys where keys serve
         as values); ``None`` for a KV-sharing layer's keys and values."""
         cfg, d, theta = self.cfg, self.head_dim, self.rope_theta
         heads = projected_heads(tuple(p for p in (self.q, self.k, self.v) if p is not None), x, d)
         q = take_heads(heads[0], cfg.num_heads)
         q = q if self.q_norm is None else self.q_norm(q)
         q = rope(q, positions, theta) if theta is not None else q
+        norm = self.k_norm
+        finish = KeyFinish(positions, None if norm is None else norm.scale[...],
+                           None if theta is None else rope_frequencies(d, theta),
+                           eps=1e-6 if norm is None else norm.epsilon)
         if not self.owns_kv:
-            return q, None, None
-        k = take_heads(heads[1], self.kv_heads)
-        k = k if self.k_norm is None else self.k_norm(k)
-        return q, rope(k, positions, theta) if theta is not None else k, heads[1 if self.v_is_k else 2]
+            return q, None, finish, None
+        return q, heads[1], finish, heads[1 if self.v_is_k else 2]
+
+    def keys(self, x, positions) -> jax.Array:
+        """The finished keys ``[T, Hkv, D]`` of inputs ``x: [T, hidden]`` at ``positions``."""
+        _, k, finish, _ = self._qkv(x, positions)
+        return finish.apply(take_heads(k, self.kv_heads))
 
     def _sinks(self):
         return None if self.sinks is None else self.sinks[...]
@@ -167,10 +176,10 @@ class Attention(nnx.Module):
     def dense(self, x, kv: dict[int, tuple[jax.Array, jax.Array]]):
         """Uncached attention over the whole sequence; ``kv`` holds each KV-owning layer's keys and values
         by index (this layer adds its own; a KV-sharing layer reads its target's)."""
-        q, k, values = self._qkv(x, jnp.arange(x.shape[0]))
+        q, k, finish, values = self._qkv(x, jnp.arange(x.shape[0]))
         if self.owns_kv:  # rounded as the cache stores them (fp8, bf16; no-op for float32 pages)
             v = take_heads(values, self.kv_heads)
-            k = centred(k, self.key_centre, self.kv_dtype)
+            k = centred(finish.apply(take_heads(k, self.kv_heads)), self.key_centre, self.kv_dtype)
             k, v = (to_page_dtype(t, self.kv_dtype).astype(t.dtype) for t in (k, v))
             kv[self.index] = k, v
         k, v = kv[self.cfg.kv_source(self.index)]
@@ -180,12 +189,12 @@ class Attention(nnx.Module):
         return self.o(out.reshape(x.shape[0], -1))
 
     def paged(self, x, positions, cache: KVCache, metadata: AttentionMetadata, impl: str):
-        q, k, values = self._qkv(x, positions)
+        q, k, finish, values = self._qkv(x, positions)
         values, v_head = values or (None, 0)
-        if self.owns_kv:
-            k = centred(k, self.key_centre, cache.layout.slot(self.name).spec.dtype)
-        out, cache = attention(self.name, q, k, values, cache, metadata, v_head=v_head, sinks=self._sinks(),
-                               soft_cap=self.cfg.attn_soft_cap, impl=impl)
+        k, k_head, finish = (None, 0, None) if k is None else keys_to_write(
+            k, finish, self.kv_heads, self.key_centre, cache.layout.slot(self.name).spec.dtype)
+        out, cache = attention(self.name, q, k, values, cache, metadata, k_head=k_head, k_finish=finish,
+                               v_head=v_head, sinks=self._sinks(), soft_cap=self.cfg.attn_soft_cap, impl=impl)
         return self.o(out.reshape(x.shape[0], -1)), cache
 
 
