@@ -92,8 +92,8 @@ def pad_rows(x: jax.Array, rows: int) -> jax.Array:
 def real_tokens(f, metadata: AttentionMetadata, *rows: jax.Array | None) -> tuple:
     """``f(*rows)`` (a tuple) over the batch's ``metadata.num_tokens`` tokens. A model may give its layers
     more rows than that (it pads a single token to two on a GPU: ``models.layers.gemm_rows``): those are
-    cut off before ``f`` (``attention``, a recurrent layer's scan), and the first of ``f``'s results gets
-    zero rows in their place after."""
+    cut off before ``f`` (a recurrent layer's scan), and the first of ``f``'s results gets zero rows in
+    their place after (``attention`` has its kernels write them: ``out_rows``)."""
     n, t = rows[0].shape[0], metadata.num_tokens
     if n == t:
         return f(*rows)
@@ -145,11 +145,9 @@ def attention(layer: str, q: jax.Array, k: jax.Array | None, v: jax.Array | None
     zeros out. ``sinks: f32[Hq]`` are gpt-oss attention-sink logits. ``impl`` picks the kernel
     (``kernels_pallas``). Donate the cache in the enclosing jit so the write happens in place.
     """
-    if q.shape[0] != metadata.num_tokens:  # k and v keep their rows: the KV write reads the first T
-        return real_tokens(lambda q: attention(layer, q, k, v, cache, metadata, k_head=k_head, v_head=v_head,
-                                               k_finish=k_finish, sinks=sinks, sm_scale=sm_scale,
-                                               soft_cap=soft_cap, impl=impl, interpret=interpret),
-                           metadata, q)
+    # A model's padding rows: attention runs on the tokens' and its output has zeros in theirs (written by
+    # the kernel's last pass: out_rows); k and v keep their rows, the KV write reads the first T.
+    rows, q = q.shape[0], q[:metadata.num_tokens]
     slot = cache.layout.slot(layer)
     if (k is None) != (v is None):
         raise ValueError(f"layer {layer!r}: give both k and v, or neither (KV sharing)")
@@ -161,7 +159,7 @@ def attention(layer: str, q: jax.Array, k: jax.Array | None, v: jax.Array | None
             t, hkv = q.shape[0], slot.spec.num_kv_heads
             k, v = k[:t, k_head:k_head + hkv], v[:t, v_head:v_head + hkv]
             k = k if k_finish is None else k_finish.apply(k)
-        return _sharded(slot, shards, q, k, v, cache, metadata, table, slots, sinks, params, impl, interpret)
+        return _sharded(slot, shards, q, k, v, cache, metadata, table, slots, sinks, params, impl, interpret, rows)
     if shards > 1:
         raise ValueError(f"layer {layer!r}: its KV is split {shards} ways but no mesh with a 'model' axis "
                          f"of that size is in use (jax.set_mesh)")
@@ -174,8 +172,8 @@ def attention(layer: str, q: jax.Array, k: jax.Array | None, v: jax.Array | None
         kv = whole(kernels_pallas.kv_write(kv, whole(k), whole(v), slots, k_head=k_head, v_head=v_head,
                                            k_finish=k_finish, impl=impl, interpret=interpret))
         cache = set_layer_kv(cache, layer, kv)
-    out = kernels_pallas.paged_attention(
-        q, kv, table, metadata.query_start_loc, metadata.seq_lens, params, sinks, impl=impl, interpret=interpret)
+    out = kernels_pallas.paged_attention(q, kv, table, metadata.query_start_loc, metadata.seq_lens, params, sinks,
+                                         impl=impl, interpret=interpret, out_rows=rows)
     return out, cache
 
 
@@ -188,7 +186,7 @@ def _splits_heads(slot: LayerSlot, shards: int, num_q_heads: int) -> bool:
 
 
 def _sharded(slot: LayerSlot, shards: int, q, k, v, cache: KVCache, metadata: AttentionMetadata, table, slots,
-             sinks, params: AttentionParams, impl: str, interpret: bool):
+             sinks, params: AttentionParams, impl: str, interpret: bool, rows: int):
     """``attention`` under ``shard_map`` over the ``model`` axis: per device its query heads, and its
     KV heads' part of every page (or, with one replicated KV head, the whole page)."""
     P = jax.sharding.PartitionSpec
@@ -202,7 +200,7 @@ def _sharded(slot: LayerSlot, shards: int, q, k, v, cache: KVCache, metadata: At
             kv = kernels_pallas.kv_write(kv, k, v, slots, impl=impl, interpret=interpret)
             buf = store_page_view(buf, part, kv)
         out = kernels_pallas.paged_attention(q, kv, table, starts, lens, params, sinks,
-                                             impl=impl, interpret=interpret)
+                                             impl=impl, interpret=interpret, out_rows=rows)
         return out, buf
 
     buf = cache.buffers[slot.tensor]

@@ -33,6 +33,7 @@ Shapes and conventions: ``reference.py``. Implementations (``impl``):
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from kernels_pallas import (
     blocked,
@@ -109,26 +110,33 @@ def choose(impl: str, kv_pages_shape: tuple[int, ...], kv_dtype, num_q_heads: in
 
 
 def paged_attention(q, kv_pages, block_tables, query_start_loc, seq_lens, params: AttentionParams,
-                    sinks=None, *, impl: str = "auto", interpret: bool = False):
+                    sinks=None, *, impl: str = "auto", interpret: bool = False, out_rows: int | None = None):
     """Ragged paged attention with the chosen implementation (see ``reference.paged_attention``).
 
     The Mosaic GPU kernel multiplies in the KV dtype (bf16 over fp8 pages, ``paged_attention_mgpu.compute_dtype``):
-    q is cast to it, the output back to q's dtype.
+    q is cast to it, the output back to q's dtype. ``out_rows``: the output's rows (default ``T``), zeros past
+    the tokens' (a model's padding rows); the Mosaic GPU kernel's last pass writes them, where a pad after it
+    would be a kernel of its own in every layer.
     """
     impl = choose(impl, kv_pages.shape, kv_pages.dtype, q.shape[1], block_tables.shape[1])
     if impl.endswith("_interpret"):
         impl, interpret = impl.removesuffix("_interpret"), True
     args = (kv_pages, block_tables, query_start_loc, seq_lens, params, sinks)
-    if impl == "tpu":
-        return paged_attention_tpu.paged_attention(q, *args, interpret=interpret)
     if impl == "mosaic_gpu":
         compute = paged_attention_mgpu.compute_dtype(kv_pages.dtype)
-        return paged_attention_mgpu.paged_attention(q.astype(compute), *args, interpret=interpret).astype(q.dtype)
-    if impl == "reference":
-        return reference.paged_attention(q, *args)
-    if impl == "blocked":
-        return blocked.paged_attention(q, *args)
-    return paged_attention_portable.paged_attention(q, *args, interpret=interpret)
+        return paged_attention_mgpu.paged_attention(q.astype(compute), *args, interpret=interpret,
+                                                    out_rows=out_rows).astype(q.dtype)
+    if impl == "tpu":
+        out = paged_attention_tpu.paged_attention(q, *args, interpret=interpret)
+    elif impl == "reference":
+        out = reference.paged_attention(q, *args)
+    elif impl == "blocked":
+        out = blocked.paged_attention(q, *args)
+    else:
+        out = paged_attention_portable.paged_attention(q, *args, interpret=interpret)
+    if out_rows is None or out_rows == out.shape[0]:
+        return out
+    return jnp.pad(out, ((0, out_rows - out.shape[0]), (0, 0), (0, 0)))
 
 
 def kv_write(kv_pages, k, v, slots, *, k_head: int = 0, v_head: int = 0, k_finish: KeyFinish | None = None,

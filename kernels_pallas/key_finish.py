@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
-def rope_frequencies(head_size: int, theta: float) -> jax.Array:
-    """RoPE's angle per position of each of the ``head_size // 2`` rotated pairs: ``f32[head_size // 2]``."""
+def rope_frequencies(head_size: int, theta: float) -> np.ndarray:
+    """RoPE's angle per position of each of the ``head_size // 2`` rotated pairs: ``f32[head_size // 2]``. A
+    NumPy constant: computed under jit, XLA:GPU would run it as a kernel of its own in every step."""
     half = head_size // 2
-    return theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    return (float(theta) ** (-np.arange(half, dtype=np.float64) / half)).astype(np.float32)
 
 
 def rotate_halves(lo: jax.Array, hi: jax.Array, positions: jax.Array,
@@ -47,7 +49,7 @@ class KeyFinish:
 
     positions: jax.Array
     norm_weight: jax.Array | None = None
-    frequencies: jax.Array | None = None
+    frequencies: jax.Array | np.ndarray | None = None
     norm_offset: float = field(default=0.0, metadata=dict(static=True))
     eps: float = field(default=1e-6, metadata=dict(static=True))
 

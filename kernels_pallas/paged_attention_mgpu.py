@@ -463,11 +463,12 @@ def _combine(o: jax.Array, lse: jax.Array, sinks: jax.Array | None, items: ragge
     return out.reshape(out.shape[0], hkv * group, d).astype(o.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("params", "interpret", "splits", "warpgroups"))
+@functools.partial(jax.jit, static_argnames=("params", "interpret", "splits", "warpgroups", "out_rows"))
 def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
                     query_start_loc: jax.Array, seq_lens: jax.Array, params: AttentionParams,
                     sinks: jax.Array | None = None, *, interpret: bool | plgpu.InterpretGPUParams = False,
-                    splits: int | None = None, warpgroups: int | None = None) -> jax.Array:
+                    splits: int | None = None, warpgroups: int | None = None,
+                    out_rows: int | None = None) -> jax.Array:
     """Ragged paged attention (shapes: ``reference.py``) with the Mosaic GPU kernel.
 
     ``splits``: runs each item's keys are split into (``None``: ``default_splits`` for these shapes on
@@ -492,7 +493,7 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
                                 splits=splits, params=params)
     rows_per_item = warpgroups * ROWS
     block_q = rows_per_item // group
-    items = ragged.work_items(query_start_loc, num_tokens, block_q)
+    items = ragged.work_items(query_start_loc, num_tokens, block_q, out_rows)
     n = items.seq.shape[0]
     scalars, rows = _item_metadata(items, query_start_loc.astype(jnp.int32),
                                    seq_lens.astype(jnp.int32), block_q, params, group, warpgroups)

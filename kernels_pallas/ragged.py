@@ -43,8 +43,9 @@ class WorkItems:
     row_token: jax.Array
 
 
-def work_items(query_start_loc: jax.Array, num_tokens: int, block_q: int) -> WorkItems:
-    """Cut the ragged batch into work items of ``block_q`` query rows."""
+def work_items(query_start_loc: jax.Array, num_tokens: int, block_q: int, out_tokens: int | None = None) -> WorkItems:
+    """Cut the ragged batch into work items of ``block_q`` query rows. ``token_item`` and ``token_row`` cover
+    ``out_tokens`` (default ``num_tokens``) output rows: those past the batch's tokens are padding."""
     num_seqs = query_start_loc.shape[0] - 1
     n = cdiv(num_tokens, block_q) + num_seqs  # each sequence wastes at most one partial item
     q_len = query_start_loc[1:] - query_start_loc[:-1]
@@ -54,8 +55,8 @@ def work_items(query_start_loc: jax.Array, num_tokens: int, block_q: int) -> Wor
     i = jnp.arange(n)
     seq = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
     q_block = i - starts[jnp.minimum(seq, num_seqs - 1)]
-    tseq, tvalid = token_sequences(query_start_loc, num_tokens)
-    offset = jnp.arange(num_tokens) - query_start_loc[tseq]
+    tseq, tvalid = token_sequences(query_start_loc, num_tokens if out_tokens is None else out_tokens)
+    offset = jnp.arange(tseq.shape[0]) - query_start_loc[tseq]
     token_item = jnp.where(tvalid, starts[tseq] + offset // block_q, n)
     seq_c = jnp.minimum(seq, num_seqs - 1)
     token = (query_start_loc[seq_c] + q_block * block_q)[:, None] + jnp.arange(block_q)

@@ -215,6 +215,14 @@ def test_mosaic_gpu_splits_a_long_decode_and_its_window_over_runs():
         case = Case(q, pages, tables, np.array([0, 1, 1], np.int32), np.array([length, 0], np.int32), params, sk,
                     expected, "bfloat16")
         check(run(mgpu.paged_attention, case, interpret=True, splits=splits), case)
+        # The token's row alone, and the model's padding row added by the last pass (out_rows): split
+        # (the combine writes it) and whole (the scatter to the tokens does).
+        for runs in (splits, 1) if splits == 2 else ():
+            out = mgpu.paged_attention(jnp.asarray(q[:1], jnp.bfloat16), jnp.asarray(pages, jnp.bfloat16),
+                                       jnp.asarray(tables), jnp.asarray(case.query_start_loc),
+                                       jnp.asarray(case.seq_lens), params, None if sk is None else jnp.asarray(sk),
+                                       interpret=True, splits=runs, out_rows=2)
+            check(np.asarray(out.astype(jnp.float32)), case)
     with pytest.raises(ValueError, match="splits must be at least 1"):
         run(mgpu.paged_attention, case, interpret=True, splits=0)
 
@@ -339,6 +347,9 @@ def test_dispatch_picks_by_platform_and_refuses_unknown_impls():
     pages = jnp.ones((3, 2, 1, 8, 64), jnp.float32)
     args = (q, pages, jnp.array([[1], [2]]), jnp.array([0, 1, 2]), jnp.array([1, 1]), AttentionParams())
     np.testing.assert_allclose(np.asarray(kernels_pallas.paged_attention(*args)), 1.0)
+    for impl in ("blocked", "reference", "triton_interpret"):  # a model's padding rows after the tokens'
+        out = np.asarray(kernels_pallas.paged_attention(*args, impl=impl, out_rows=4))
+        assert out.shape == (4, 2, 64) and (out[:2] == 1.0).all() and (out[2:] == 0).all()
     with pytest.raises(ValueError, match="unknown impl"):
         kernels_pallas.paged_attention(*args, impl="cuda")
 
