@@ -15,8 +15,8 @@ products run on the tensor cores (``wgmma``):
 Split over the context (flash-decoding): with ``splits > 1`` the grid gets a
 third axis, and program ``s`` walks only the ``s``-th of ``splits`` equal runs
 of its item's tiles. It writes its own normalised output (in q's dtype) and the
-log of its softmax denominator (``m + log l``, f32); ``_combine`` then weighs
-each token's runs by their denominators (and the sink) in one XLA pass. One decode
+log of its softmax denominator (``m + log l``, f32); ``split_combine`` then weighs
+each token's runs by their denominators (and the sink) in one Pallas kernel. One decode
 sequence has ``Hkv`` programs without a split: 8 of an H200's 132 SMs busy,
 each walking the whole context. ``default_splits`` fills the SMs, with at
 most one run per tile an item can reach: a sliding window's or a chunk's
@@ -66,7 +66,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas import ragged
+from kernels_pallas import ragged, split_combine
 from kernels_pallas.paged_attention_portable import MASK_VALUE
 from kernels_pallas.reference import AttentionParams, is_fp8
 from kernels_pallas.support import YES, Support, no
@@ -405,7 +405,7 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
         plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout),
     )
     acc, m, l = jax.lax.fori_loop(run_lo, run_hi, body, init)
-    if splits > 1:  # each run's own output and log-denominator; the sink enters once, in _combine
+    if splits > 1:  # each run's own output and log-denominator; the sink enters once, in split_combine
         l_ = jnp.where(l > 0, l, 1.0)
         row_tile[...] = jnp.where(l > 0, m + jnp.log(l_), MASK_VALUE)
         q_tile[...] = (acc / jax.lax.broadcast_in_dim(l_, acc.shape, [0])).astype(q_tile.dtype)
@@ -425,42 +425,6 @@ def _kernel(*refs, params: AttentionParams, scale: float, has_sinks: bool, chunk
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_tile, o_ref.at[item, h, mine])
     plgpu.wait_smem_to_gmem(0)
-
-
-def _merge(x, y):
-    """Two runs' ``(log-denominator, normalised output)`` as one: the online softmax's step, associative."""
-    (m1, a1), (m2, a2) = x, y
-    m = jnp.maximum(m1, m2)
-    w1, w2 = jnp.exp(m1 - m), jnp.exp(m2 - m)  # the larger weighs 1; two unseen runs weigh 1 each
-    return m + jnp.log(w1 + w2), (w1 * a1 + w2 * a2) / (w1 + w2)
-
-
-def _combine(o: jax.Array, lse: jax.Array, sinks: jax.Array | None, items: ragged.WorkItems,
-             group: int) -> jax.Array:
-    """Each query token's output ``[T, Hq, D]`` (zeros for padding tokens) from the split runs' outputs
-    ``[I, Hkv, splits, ROWS, D]``, weighed by their softmax denominators ``lse: f32[I, Hkv, splits, ROWS]``
-    and the sinks (``f32[Hq]``: a run whose output is zero). ``ROWS`` are ``ROWS / group`` tokens x ``group``
-    heads.
-
-    Only the tokens' rows are combined (an item's other rows hold nothing): gathered first, then merged
-    pairwise (``_merge``, a tree of ``splits - 1`` merges written out). XLA:GPU fuses the gathers, the
-    merges and the cast into one kernel for a few runs and two for many (``benchmarks/gpu_hlo.py``); a max,
-    a weighted sum and a scatter to the tokens took up to three more."""
-    n, hkv, splits, rows, d = o.shape
-
-    def per_token(x):  # [I, Hkv, splits, ROWS, ...] -> [T, Hkv, splits, G, ...]
-        x = x.reshape(n, hkv, splits, rows // group, group, *x.shape[4:])
-        return x.at[items.token_item, :, :, items.token_row].get(mode="fill", fill_value=0)
-    o_t, lse_t = per_token(o).astype(jnp.float32), per_token(lse)
-    if sinks is not None:
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, 1, group), (*lse_t.shape[:2], 1, group))
-        lse_t = jnp.concatenate([lse_t, sink], axis=2)
-        o_t = jnp.concatenate([o_t, jnp.zeros_like(o_t[:, :, :1])], axis=2)
-    runs = [(lse_t[:, :, s, :, None], o_t[:, :, s]) for s in range(lse_t.shape[2])]
-    while len(runs) > 1:
-        runs = [_merge(*runs[i:i + 2]) if i + 1 < len(runs) else runs[i] for i in range(0, len(runs), 2)]
-    out = runs[0][1]
-    return out.reshape(out.shape[0], hkv * group, d).astype(o.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("params", "interpret", "splits", "warpgroups", "out_rows"))
@@ -504,7 +468,7 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
     rows_ = _table_rows(max_blocks)
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, rows_ * TABLE_COLS - max_blocks)))
     bt = bt.reshape(S, rows_, TABLE_COLS)
-    in_kernel_sinks = sinks is not None and splits == 1  # split runs: the sinks enter in _combine
+    in_kernel_sinks = sinks is not None and splits == 1  # split runs: the sinks enter in split_combine
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     chunk = math.gcd(bs, KEYS)
     fp8 = is_fp8(kv_pages.dtype)
@@ -548,6 +512,6 @@ def paged_attention(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
                  .reshape(hkv, rows_per_item),)
     o = kernel(meta, rows, bt, q_items, kv_pages, *extra)
     if splits > 1:
-        return _combine(*o, sinks, items, group)
+        return split_combine.combine(*o, sinks, items, group=group, interpret=bool(interpret))
     o = o.reshape(n, hkv, block_q, group, d).transpose(0, 2, 1, 3, 4).reshape(n, block_q, hq, d)
     return ragged.scatter_outputs(o, items)

@@ -116,6 +116,21 @@ def test_every_planned_shape_lowers_with_the_kernel_auto_picks_on_hopper(shape):
                                  sd((d,), jnp.float32))
 
 
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_a_split_decode_lowers_with_its_combine_as_a_triton_kernel(with_sinks):
+    """One decode token over a 4k-token table splits over the context on an H200; the runs' combine (with the
+    sinks, and the model's padding row: ``out_rows``) lowers as one Pallas Triton kernel."""
+    q, pages = sd((1, 8, 128), jnp.bfloat16), sd((300, 2, 2, 16, 128), jnp.bfloat16)
+    assert paged_attention_mgpu.launch(1, 1, 8, pages.shape, pages.dtype, 256)[1] > 1
+
+    def decode(q, p, bt, qsl, lens, *sinks):
+        return kernels_pallas.paged_attention(q, p, bt, qsl, lens, AttentionParams(), *sinks, impl="mosaic_gpu",
+                                              out_rows=2)
+    text = lower_for(H200, decode, q, pages, sd((1, 256), jnp.int32), sd((2,), jnp.int32), sd((1,), jnp.int32),
+                     *([sd((8,), jnp.float32)] if with_sinks else []))
+    assert "hkv_split_combine" in text
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES), ids=lambda s: "hq{}-hkv{}-d{}-bs{}".format(*s))
 def test_every_planned_shape_lowers_for_tpu_where_the_tpu_kernel_takes_it(shape):
     hq, hkv, d, bs = shape
