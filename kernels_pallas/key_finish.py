@@ -58,22 +58,24 @@ class KeyFinish:
         dtype."""
         half = k.shape[-1] // 2
         norm = None if self.norm_weight is None else (self.norm_weight[:half], self.norm_weight[half:])
-        lo, hi = finish_halves(self, k[..., :half], k[..., half:], self.positions[:k.shape[0], None, None], norm)
+        lo, hi = finish_halves(k[..., :half], k[..., half:], self.positions[:k.shape[0], None, None], norm,
+                               self.frequencies, norm_offset=self.norm_offset, eps=self.eps)
         return jnp.concatenate([lo, hi], axis=-1)
 
 
-def finish_halves(finish: KeyFinish, lo: jax.Array, hi: jax.Array, positions: jax.Array,
-                  norm: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, jax.Array]:
-    """``finish`` on the halves ``lo, hi: [..., D/2]`` of raw keys at ``positions`` (broadcast against them),
-    with the norm weight's halves ``norm``: the finished halves, in the raw keys' dtype. The KV write's
-    kernel calls it on one key's halves, ``KeyFinish.apply`` on whole arrays."""
+def finish_halves(lo: jax.Array, hi: jax.Array, positions: jax.Array, norm: tuple[jax.Array, jax.Array] | None,
+                  frequencies: jax.Array | None, *, norm_offset: float, eps: float) -> tuple[jax.Array, jax.Array]:
+    """A ``KeyFinish`` on the halves ``lo, hi: [..., D/2]`` of raw keys at ``positions`` (broadcast against
+    them), with the norm weight's halves ``norm`` and the RoPE ``frequencies`` (each ``None``: no norm, no
+    RoPE): the finished halves, in the raw keys' dtype. The KV write's kernel calls it on one key's halves,
+    ``KeyFinish.apply`` on whole arrays."""
     dtype = lo.dtype
     if norm is not None:
         lo32, hi32 = lo.astype(jnp.float32), hi.astype(jnp.float32)
         squares = jnp.sum(lo32 * lo32, axis=-1, keepdims=True) + jnp.sum(hi32 * hi32, axis=-1, keepdims=True)
-        scale = jax.lax.rsqrt(squares / (2 * lo.shape[-1]) + finish.eps)
-        w_lo, w_hi = (finish.norm_offset + w.astype(jnp.float32) for w in norm)
+        scale = jax.lax.rsqrt(squares / (2 * lo.shape[-1]) + eps)
+        w_lo, w_hi = (norm_offset + w.astype(jnp.float32) for w in norm)
         lo, hi = (lo32 * scale * w_lo).astype(dtype), (hi32 * scale * w_hi).astype(dtype)
-    if finish.frequencies is not None:
-        lo, hi = rotate_halves(lo, hi, positions, finish.frequencies)
+    if frequencies is not None:
+        lo, hi = rotate_halves(lo, hi, positions, frequencies)
     return lo.astype(dtype), hi.astype(dtype)

@@ -53,9 +53,9 @@ def _kernel(slots_ref, *refs, finish: tuple[bool, bool, float, float] | None):
             return
         half = k_ref.shape[0] // 2
         lo, hi = pl.ds(0, half), pl.ds(half, half)
-        row = KeyFinish(pos_ref[t], None, None if freq_ref is None else freq_ref[...], norm_offset, eps)
         norm = None if norm_ref is None else (norm_ref[lo], norm_ref[hi])
-        k_lo, k_hi = finish_halves(row, k_ref[lo], k_ref[hi], row.positions, norm)
+        k_lo, k_hi = finish_halves(k_ref[lo], k_ref[hi], pos_ref[t], norm, None if freq_ref is None else freq_ref[...],
+                                   norm_offset=norm_offset, eps=eps)
         kv_ref[page, 0, h, off, lo] = k_lo.astype(kv_ref.dtype)
         kv_ref[page, 0, h, off, hi] = k_hi.astype(kv_ref.dtype)
 

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas.ragged import WorkItems
 
 
-def merge(x, y):
+def _merge(x, y):
     """Two runs' ``(log-denominator, normalised output)`` as one: the online softmax's step, associative."""
     (m1, a1), (m2, a2) = x, y
     m = jnp.maximum(m1, m2)
@@ -27,10 +27,10 @@ def merge(x, y):
     return m + jnp.log(w1 + w2), (w1 * a1 + w2 * a2) / (w1 + w2)
 
 
-def merge_runs(runs: list) -> tuple:
+def _merge_runs(runs: list) -> tuple:
     """``runs`` (``(log-denominator, output)`` pairs) merged pairwise, a tree of ``len(runs) - 1`` merges."""
     while len(runs) > 1:
-        runs = [merge(*runs[i:i + 2]) if i + 1 < len(runs) else runs[i] for i in range(0, len(runs), 2)]
+        runs = [_merge(*runs[i:i + 2]) if i + 1 < len(runs) else runs[i] for i in range(0, len(runs), 2)]
     return runs[0]
 
 
@@ -46,7 +46,7 @@ def _kernel(item_ref, row_ref, lse_ref, o_ref, *refs, group: int, has_sinks: boo
         runs = [(lse_ref[item, h, s, row], o_ref[item, h, s, row].astype(jnp.float32)) for s in range(splits)]
         if has_sinks:
             runs.append((sinks_ref[head], jnp.zeros((d,), jnp.float32)))
-        out_ref[...] = merge_runs(runs)[1].astype(out_ref.dtype)
+        out_ref[...] = _merge_runs(runs)[1].astype(out_ref.dtype)
 
     @pl.when(item >= n)
     def _():
